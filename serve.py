@@ -1,0 +1,837 @@
+"""Serves a fine-tuned Gemma preset over HTTP with the standard library, as the article does.
+
+    python3 serve.py                          # ./gemma-2b-dolly-lora on 0.0.0.0:8080
+    curl -X POST http://localhost:8080/ -H "Content-Type: application/json" \\
+         -d '{"prompt": "Instruction:\\nExplain the difference between a GPU and a TPU.\\n\\nResponse:\\n", "max_tokens": 256}'
+
+The article's API stays (POST / {"prompt", "max_tokens"} -> {"generated_text"}), with one
+deliberate change: max_tokens counts new tokens, not prompt + new tokens. Also served:
+instruction mode (POST / {"instruction", "context"?} with the template train_local.py recorded),
+OpenAI-compatible POST /v1/completions (streaming too) and GET /v1/models, GET /health, GET /metrics.
+
+Every program is compiled at start-up, one per (batch bucket, length bucket), so no request ever
+waits for XLA; concurrent requests are batched into one decode loop where each row stops at its own
+stop token or max_tokens.
+"""
+import argparse
+import json
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+ARTICLE_TEMPLATE = {"prompt": "Instruction:\n{instruction}\n\nResponse:\n",
+                    "prompt_with_context": "Instruction:\n{instruction}\n\nContext:\n{context}\n\nResponse:\n"}
+# Sampling looks at this many most-likely tokens: top_k is capped here and top_p is computed over them.
+CANDIDATES = 128
+SAMPLER_DEFAULTS = {  # keras-hub's samplers' defaults: the article's "top_k" is TopKSampler(k=5)
+    "greedy": {"temperature": 0.0, "top_k": CANDIDATES, "top_p": 1.0},
+    "top_k": {"temperature": 1.0, "top_k": 5, "top_p": 1.0},
+    "top_p": {"temperature": 1.0, "top_k": CANDIDATES, "top_p": 0.1},
+}
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="./gemma-2b-dolly-lora", help="preset dir or handle (default: %(default)s)")
+    p.add_argument("--host", default="0.0.0.0", help="bind address (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--max-batch-size", type=int, default=8, help="most requests decoded together (default: 8)")
+    p.add_argument("--length-buckets", default="128,256,512",
+                   help="total lengths (prompt + new tokens) compiled at start-up; the largest is the longest "
+                        "request served (default: %(default)s)")
+    p.add_argument("--batch-window-ms", type=float, default=5.0,
+                   help="how long the first queued request waits for others to batch with (default: 5)")
+    p.add_argument("--max-queue", type=int, default=64, help="queued requests before answering 503 (default: 64)")
+    p.add_argument("--max-tokens-limit", type=int, default=None,
+                   help="largest max_tokens accepted (default: the largest length bucket)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default: 1 MiB)")
+    p.add_argument("--api-key", default=os.environ.get("SERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on everything but /health (env: SERVE_API_KEY)")
+    p.add_argument("--sampler", choices=sorted(SAMPLER_DEFAULTS), default="top_k",
+                   help="default sampling when a request names none (default: top_k, k=5, as the article)")
+    p.add_argument("--seed", type=int, default=None, help="seed for requests that bring none (default: random)")
+    p.add_argument("--compile-cache", default=str(Path.home() / ".cache" / "gemma-lora-xla"),
+                   help="JAX persistent compilation cache dir, so restarts skip compiling; '' disables")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish in-flight requests")
+    p.add_argument("--distribution", choices=["auto", "off", "data", "model"], default="off",
+                   help="off (default): one device; data: replicas over all devices; model: shard the weights "
+                        "over --mesh (for models too big for one chip); auto: data if several devices")
+    p.add_argument("--mesh", default=None, help="B,M device mesh for --distribution model (default: 1,<all>)")
+    args = p.parse_args(argv)
+    args.length_buckets = sorted({int(s) for s in args.length_buckets.split(",") if s.strip()})
+    if not args.length_buckets or args.length_buckets[0] < 2:
+        p.error("--length-buckets must list lengths of at least 2")
+    if args.max_batch_size < 1 or args.max_queue < 1:
+        p.error("--max-batch-size and --max-queue must be at least 1")
+    args.max_tokens_limit = args.max_tokens_limit or args.length_buckets[-1]
+    return args
+
+
+def log(message):
+    print(f"{time.strftime('%H:%M:%S')} {message}", flush=True)
+
+
+# ----------------------------------------------------------------------------- metrics
+
+class Metrics:
+    """Prometheus text exposition, kept by hand: a few counters need no client library."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.requests = {}          # (path, status) -> count
+        self.latency_counts = [0] * (len(LATENCY_BUCKETS) + 1)
+        self.latency_sum = 0.0
+        self.prompt_tokens = self.generated_tokens = self.compilations = 0
+        self.batch_sizes = {}
+        self.queue_depth = lambda: 0
+
+    def observe_request(self, path, status, seconds):
+        with self.lock:
+            self.requests[(path, status)] = self.requests.get((path, status), 0) + 1
+            if seconds is not None:
+                self.latency_sum += seconds
+                index = next((i for i, b in enumerate(LATENCY_BUCKETS) if seconds <= b), len(LATENCY_BUCKETS))
+                self.latency_counts[index] += 1
+
+    def add(self, name, amount=1):
+        with self.lock:
+            setattr(self, name, getattr(self, name) + amount)
+
+    def observe_batch(self, size):
+        with self.lock:
+            self.batch_sizes[size] = self.batch_sizes.get(size, 0) + 1
+
+    def render(self, ready):
+        with self.lock:
+            lines = ["# HELP serve_requests_total HTTP requests by path and status.",
+                     "# TYPE serve_requests_total counter"]
+            lines += [f'serve_requests_total{{path="{p}",status="{s}"}} {n}'
+                      for (p, s), n in sorted(self.requests.items())]
+            lines += ["# HELP serve_request_latency_seconds Latency of generation requests.",
+                      "# TYPE serve_request_latency_seconds histogram"]
+            cumulative = 0
+            for bound, count in zip(list(LATENCY_BUCKETS) + ["+Inf"], self.latency_counts):
+                cumulative += count
+                lines.append(f'serve_request_latency_seconds_bucket{{le="{bound}"}} {cumulative}')
+            lines += [f"serve_request_latency_seconds_sum {self.latency_sum}",
+                      f"serve_request_latency_seconds_count {cumulative}",
+                      "# TYPE serve_prompt_tokens_total counter", f"serve_prompt_tokens_total {self.prompt_tokens}",
+                      "# TYPE serve_generated_tokens_total counter",
+                      f"serve_generated_tokens_total {self.generated_tokens}",
+                      "# HELP serve_queue_depth Requests waiting for the model worker.",
+                      "# TYPE serve_queue_depth gauge", f"serve_queue_depth {self.queue_depth()}",
+                      "# HELP serve_batches_total Decode batches by number of requests in them.",
+                      "# TYPE serve_batches_total counter"]
+            lines += [f'serve_batches_total{{size="{s}"}} {n}' for s, n in sorted(self.batch_sizes.items())]
+            lines += ["# HELP serve_compilations_total XLA compilations in this process (flat after warm-up).",
+                      "# TYPE serve_compilations_total counter", f"serve_compilations_total {self.compilations}",
+                      "# TYPE serve_ready gauge", f"serve_ready {int(ready)}"]
+            return "\n".join(lines) + "\n"
+
+
+METRICS = Metrics()
+
+
+# ----------------------------------------------------------------------------- model
+
+def keep_tensorflow_off_accelerators():
+    """keras-hub imports TensorFlow; left alone it grabs GPU memory that JAX needs."""
+    try:
+        import tensorflow as tf
+        tf.config.set_visible_devices([], "GPU")
+    except Exception:  # not installed, or already initialised: nothing to keep off
+        pass
+
+
+def make_text_codec(tokenizer):
+    """(encode, decode) without TensorFlow: SentencePiece directly for Gemma-family tokenizers."""
+    proto = getattr(tokenizer, "proto", None)
+    if proto is not None:
+        import sentencepiece
+        if isinstance(proto, (str, os.PathLike)):
+            proto = Path(proto).read_bytes()
+        sp = sentencepiece.SentencePieceProcessor(model_proto=proto)
+        return sp.encode, sp.decode
+    import numpy as np
+    return (lambda text: np.asarray(tokenizer(text)).tolist()), (lambda ids: str(tokenizer.detokenize(ids)))
+
+
+def setup_distribution(args):
+    """Returns the keras distribution to load the model under, or None for one device."""
+    import keras
+    devices = keras.distribution.list_devices()
+    mode = args.distribution
+    if mode == "auto":
+        mode = "data" if len(devices) > 1 else "off"
+    if mode == "off":
+        return None, 1
+    if mode == "data":
+        distribution, batch_axis = keras.distribution.DataParallel(devices=devices), len(devices)
+    else:
+        batch_axis, model_axis = (int(s) for s in args.mesh.split(",")) if args.mesh else (1, len(devices))
+        if batch_axis * model_axis != len(devices):
+            raise SystemExit(f"error: --mesh {args.mesh}: {batch_axis}x{model_axis} != {len(devices)} devices")
+        mesh = keras.distribution.DeviceMesh(shape=(batch_axis, model_axis), axis_names=("batch", "model"),
+                                             devices=devices)
+        distribution = keras.distribution.ModelParallel(layout_map=layout_map_for(args.model, mesh, model_axis),
+                                                        batch_dim_name="batch")
+    keras.distribution.set_distribution(distribution)
+    log(f"distribution: {mode} over {len(devices)} devices")
+    return distribution, batch_axis
+
+
+def layout_map_for(preset, mesh, model_axis):
+    """The family's layout map, K/V replicated when there are fewer KV heads than model shards (keras-hub #1613)."""
+    from keras_hub.models import GemmaBackbone
+    from keras_hub.src.utils.preset_utils import get_preset_loader
+    loader = get_preset_loader(preset)
+    cls = loader.check_backbone_class()
+    layout_map = getattr(cls, "get_layout_map", GemmaBackbone.get_layout_map)(
+        mesh, model_parallel_dim_name="model", data_parallel_dim_name="batch")
+    config = getattr(loader, "config", {}) or {}
+    config = config.get("config", config)
+    kv_heads = config.get("num_key_value_heads") or config.get("num_kv_heads") or 1
+    qkv = "decoder_block.*attention.*(query|key|value).kernel"
+    if qkv in layout_map and kv_heads % model_axis:
+        spec = layout_map[qkv]
+        del layout_map[qkv]
+        layout_map["decoder_block.*attention.*query.kernel"] = spec
+        layout_map["decoder_block.*attention.*(key|value).kernel"] = (None,) + tuple(spec.axes[1:])
+    return layout_map
+
+
+def read_prompt_template(model_dir):
+    """The template train_local.py recorded beside the weights; the article's when there is none."""
+    record = Path(model_dir) / "training.json"
+    if record.is_file():
+        template = json.loads(record.read_text()).get("prompt_template") or {}
+        return {"prompt": template.get("prompt") or ARTICLE_TEMPLATE["prompt"],
+                "prompt_with_context": template.get("prompt_with_context") or ARTICLE_TEMPLATE["prompt_with_context"]}
+    return dict(ARTICLE_TEMPLATE)
+
+
+class Engine:
+    """Owns the model: compiled prefill and decode programs per (batch, length) bucket."""
+
+    def __init__(self, model, batch_buckets, length_buckets, distribution):
+        import inspect
+        import jax
+        import jax.numpy as jnp
+        import keras
+        self.model = model
+        self.batch_buckets, self.length_buckets = batch_buckets, length_buckets
+        self.distribution = distribution
+        tokenizer = model.preprocessor.tokenizer
+        self.encode, self.decode = make_text_codec(tokenizer)
+        self.bos, self.pad = tokenizer.start_token_id, tokenizer.pad_token_id or 0
+        self.stop_ids = {tokenizer.end_token_id}
+        if "<end_of_turn>" in tokenizer.get_vocabulary():
+            self.stop_ids.add(tokenizer.token_to_id("<end_of_turn>"))
+        self.variables = model.variables
+        self.values = [v.value for v in self.variables]
+        candidates = min(CANDIDATES, model.backbone.vocabulary_size)
+        build_cache_takes_extras = len(inspect.signature(model._build_cache).parameters) > 1
+
+        def stateless(values, fn):
+            with keras.StatelessScope(state_mapping=list(zip(self.variables, values))):
+                return fn()
+
+        def prefill(values, token_ids):
+            def run():
+                if build_cache_takes_extras:  # Gemma 3: (token_ids, img_embeddings, vision_mask, padding_mask, …)
+                    return model._build_cache(token_ids, None, None, None, None)[1]
+                return model._build_cache(token_ids)[1]
+            return stateless(values, run)
+
+        def decode_step(values, cache, tokens, index, temperature, top_k, top_p, seeds):
+            logits, _, cache = stateless(values, lambda: model.call_with_cache(tokens[:, None], cache, index))
+            logits = logits[:, 0, :].astype(jnp.float32)
+            top_logits, top_ids = jax.lax.top_k(logits, candidates)
+            scaled = top_logits / jnp.maximum(temperature, 1e-6)[:, None]
+            keep = jnp.arange(candidates)[None, :] < top_k[:, None]
+            probs = jax.nn.softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
+            keep &= (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]
+            keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.PRNGKey(s), index))(seeds)
+            choice = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, scaled, -jnp.inf))
+            sampled = jnp.take_along_axis(top_ids, choice[:, None], axis=-1)[:, 0]
+            return jnp.where(temperature <= 0, top_ids[:, 0], sampled).astype(jnp.int32), cache
+
+        self._prefill = jax.jit(prefill)
+        self._decode = jax.jit(decode_step, donate_argnums=(1,))
+
+    def put(self, array):
+        if self.distribution is None:
+            return array
+        import jax
+        return jax.device_put(array, self.distribution.get_data_layout(array.shape).backend_layout)
+
+    def warm_up(self):
+        """Compiles and runs every (batch, length) program once, so requests never compile."""
+        import numpy as np
+        for batch in self.batch_buckets:
+            for length in self.length_buckets:
+                started = time.time()
+                rows = [Generation([self.bos], 1, SAMPLER_DEFAULTS["greedy"], 0, [], None)] * batch
+                self.generate(rows, batch, length)
+                log(f"warm-up: compiled prefill + decode for batch {batch} x length {length} "
+                    f"in {time.time() - started:.1f}s")
+
+    def bucket_for(self, n_rows, total_length):
+        batch = next(b for b in self.batch_buckets if b >= n_rows)
+        length = next(l for l in self.length_buckets if l >= total_length)
+        return batch, length
+
+    def generate(self, rows, batch, length):
+        """Decodes `rows` (Generation objects) together; each ends at its own stop token or max_tokens."""
+        import numpy as np
+        tokens = np.full((batch, length), self.pad, np.int32)
+        prompt_lengths = np.ones(batch, np.int32)
+        temperature = np.zeros(batch, np.float32)
+        top_k = np.ones(batch, np.int32)
+        top_p = np.ones(batch, np.float32)
+        seeds = np.zeros(batch, np.uint32)
+        for r, row in enumerate(rows):
+            tokens[r, : len(row.prompt_ids)] = row.prompt_ids
+            prompt_lengths[r] = len(row.prompt_ids)
+            temperature[r], top_k[r], top_p[r] = row.sampling["temperature"], row.sampling["top_k"], row.sampling["top_p"]
+            seeds[r] = row.seed
+        live = [r for r in range(len(rows))]
+        cache = self._prefill(self.values, self.put(tokens))
+        index = int(prompt_lengths[: len(rows)].min()) - 1
+        current = tokens[:, index].copy()
+        while live and index < length - 1:
+            next_tokens, cache = self._decode(self.values, cache, self.put(current), np.int32(index),
+                                              self.put(temperature), self.put(top_k), self.put(top_p),
+                                              self.put(seeds))
+            next_tokens = np.asarray(next_tokens)
+            index += 1
+            # Rows whose prompt is longer than the shortest one are still reading their prompt here.
+            in_prompt = index < prompt_lengths
+            current = np.where(in_prompt, tokens[:, index], next_tokens).astype(np.int32)
+            for r in list(live):
+                if not in_prompt[r] and rows[r].accept(int(next_tokens[r]), self):
+                    live.remove(r)
+        for r in live:
+            rows[r].finish("length")
+        return rows
+
+
+class Generation:
+    """One prompt being decoded: collects tokens, applies stops, reports events for streaming."""
+
+    def __init__(self, prompt_ids, max_tokens, sampling, seed, stop, events, index=0):
+        self.prompt_ids, self.max_tokens, self.sampling, self.seed = prompt_ids, max_tokens, sampling, seed
+        self.stop, self.events, self.index = stop, events, index
+        self.ids, self.text, self.sent, self.finish_reason = [], "", 0, None
+        self.enqueued = time.time()
+        self.started = None
+        self.done = threading.Event()
+
+    def accept(self, token, engine):
+        """Takes one generated token; returns True when this generation has finished."""
+        if token in engine.stop_ids:
+            return self.finish("stop")
+        self.ids.append(token)
+        self.text = engine.decode(self.ids)
+        for stop in self.stop:
+            at = self.text.find(stop)
+            if at >= 0:
+                self.text = self.text[:at]
+                return self.finish("stop")
+        if len(self.ids) >= self.max_tokens:
+            return self.finish("length")
+        self.emit(final=False)
+        return False
+
+    def emit(self, final):
+        if self.events is None:
+            return
+        # Hold back a trailing partial UTF-8 character and anything that may be the start of a stop string.
+        upto = len(self.text) if final else len(self.text.rstrip("\ufffd"))
+        if not final and self.stop:
+            upto = max(self.sent, upto - max(len(s) for s in self.stop) + 1)
+        if upto > self.sent or final:
+            self.events.put((self.index, self.text[self.sent:upto], self.finish_reason if final else None))
+            self.sent = upto
+
+    def finish(self, reason):
+        self.finish_reason = reason
+        self.emit(final=True)
+        self.done.set()
+        return True
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Worker:
+    """One thread owns the model; requests queue here and are decoded in batches."""
+
+    def __init__(self, engine, max_batch_size, window_seconds, max_queue):
+        self.engine, self.max_batch_size, self.window = engine, max_batch_size, window_seconds
+        self.queue = queue.Queue()
+        self.max_queue = max_queue
+        self.busy = 0
+        METRICS.queue_depth = self.queue.qsize
+
+    def submit(self, generations):
+        if self.queue.qsize() + len(generations) > self.max_queue:
+            raise QueueFull()
+        for g in generations:
+            self.queue.put(g)
+
+    def idle(self):
+        return self.queue.empty() and not self.busy
+
+    def run(self):
+        while True:
+            batch = [self.queue.get()]
+            self.busy = 1
+            deadline = time.time() + self.window
+            while len(batch) < self.max_batch_size:
+                try:
+                    batch.append(self.queue.get(timeout=max(0.0, deadline - time.time())))
+                except queue.Empty:
+                    break
+            try:
+                self.decode(batch)
+            except Exception as e:  # never let one bad batch kill the worker
+                log(f"error: batch of {len(batch)} failed: {type(e).__name__}: {e}")
+                for g in batch:
+                    if not g.done.is_set():
+                        g.finish("error")
+            finally:
+                self.busy = 0
+
+    def decode(self, batch):
+        now = time.time()
+        for g in batch:
+            g.started = now
+        size, length = self.engine.bucket_for(len(batch), max(len(g.prompt_ids) + g.max_tokens for g in batch))
+        METRICS.observe_batch(len(batch))
+        self.engine.generate(batch, size, length)
+
+
+# ----------------------------------------------------------------------------- HTTP
+
+class RequestError(Exception):
+    def __init__(self, status, message, kind="invalid_request_error", headers=None):
+        super().__init__(message)
+        self.status, self.kind, self.headers = status, kind, headers or {}
+
+
+class Server:
+    """Everything the handlers share: configuration, readiness, the worker."""
+
+    def __init__(self, args):
+        self.args = args
+        self.state = "loading"
+        self.worker = None
+        self.engine = None
+        self.template = ARTICLE_TEMPLATE
+        self.model_name = Path(args.model.rstrip("/")).name or args.model
+        self.in_flight = 0
+        self.lock = threading.Lock()
+        self.rng_seed = args.seed
+
+
+def is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def make_handler(server):
+    args = server.args
+
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "gemma-lora-serve"
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *a):  # one structured line per request instead
+            pass
+
+        # -------------------------------------------------------------- plumbing
+        def send_json(self, status, payload, headers=None):
+            body = json.dumps(payload, ensure_ascii=False).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            for k, v in (headers or {}).items():
+                self.send_header(k, v)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def send_error_json(self, error):
+            self.send_json(error.status, {"error": {"message": str(error), "type": error.kind}}, error.headers)
+
+        def handle_safely(self, method):
+            started = time.time()
+            path = self.path.split("?", 1)[0]
+            self.stats = None
+            status = 500
+            try:
+                status = self.route(method, path)
+            except RequestError as e:
+                status = e.status
+                if status in (400, 411, 413) and method == "POST":
+                    self.close_connection = True  # the body may be unread or partial
+                self.send_error_json(e)
+            except (BrokenPipeError, ConnectionResetError):
+                status = 499
+            except Exception as e:  # a bug must cost one request, not the server
+                log(f"error: {method} {path}: {type(e).__name__}: {e}")
+                self.close_connection = True
+                try:
+                    self.send_error_json(RequestError(500, "internal error", "server_error"))
+                except OSError:
+                    pass
+            known = path if path in ("/", "/v1/completions", "/v1/models", "/health", "/metrics") else "other"
+            generating = self.stats is not None
+            METRICS.observe_request(known, status, time.time() - started if generating else None)
+            if generating or (status >= 400 and path != "/health"):
+                self.log_request_line(method, path, status, started)
+
+        def log_request_line(self, method, path, status, started):
+            elapsed = time.time() - started
+            line = f"{method} {path} {status} {elapsed * 1000:.0f}ms"
+            if self.stats:
+                prompt_tokens, completion_tokens, queue_wait = self.stats
+                line += (f" prompt={prompt_tokens} completion={completion_tokens} queue={queue_wait * 1000:.0f}ms "
+                         f"{completion_tokens / max(elapsed, 1e-9):.1f} tok/s")
+            log(line)
+
+        def do_GET(self):
+            self.handle_safely("GET")
+
+        def do_POST(self):
+            self.handle_safely("POST")
+
+        def do_PUT(self):
+            self.handle_safely("PUT")
+
+        def do_DELETE(self):
+            self.handle_safely("DELETE")
+
+        def do_PATCH(self):
+            self.handle_safely("PATCH")
+
+        # -------------------------------------------------------------- routing
+        def route(self, method, path):
+            routes = {"/": ("GET", "POST"), "/v1/completions": ("POST",), "/v1/models": ("GET",),
+                      "/health": ("GET",), "/metrics": ("GET",)}
+            if path not in routes:
+                raise RequestError(404, f"no route {path}", "not_found_error")
+            if method not in routes[path]:
+                raise RequestError(405, f"{method} not allowed on {path}", "invalid_request_error",
+                                   {"Allow": ", ".join(routes[path])})
+            if path == "/health":
+                ready = server.state == "ready"
+                self.send_json(200 if ready else 503, {"status": "ok" if ready else server.state})
+                return 200 if ready else 503
+            self.check_auth()
+            if path == "/metrics":
+                body = METRICS.render(server.state == "ready").encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return 200
+            if path == "/v1/models":
+                self.send_json(200, {"object": "list", "data": [
+                    {"id": server.model_name, "object": "model", "created": 0, "owned_by": "local"}]})
+                return 200
+            if path == "/" and method == "GET":
+                self.send_json(200, usage())
+                return 200
+            if server.state != "ready":
+                raise RequestError(503, f"model is {server.state}", "overloaded_error", {"Retry-After": "5"})
+            body = self.read_json()
+            with server.lock:
+                server.in_flight += 1
+            try:
+                if path == "/":
+                    return self.article_completion(body)
+                return self.openai_completion(body)
+            finally:
+                with server.lock:
+                    server.in_flight -= 1
+
+        def check_auth(self):
+            if args.api_key and self.headers.get("Authorization", "") != f"Bearer {args.api_key}":
+                raise RequestError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                   "authentication_error", {"WWW-Authenticate": "Bearer"})
+
+        def read_json(self):
+            content_type = self.headers.get("Content-Type", "application/json").split(";")[0].strip().lower()
+            if content_type != "application/json":
+                raise RequestError(415, f"Content-Type must be application/json, got {content_type!r}")
+            length_header = self.headers.get("Content-Length")
+            if length_header is None:
+                raise RequestError(411, "Content-Length required")
+            if not length_header.strip().isdigit():
+                raise RequestError(400, f"bad Content-Length {length_header!r}")
+            length = int(length_header)
+            if length > args.max_body_bytes:
+                raise RequestError(413, f"body of {length} bytes is over the {args.max_body_bytes}-byte limit")
+            self.connection.settimeout(10)
+            try:
+                raw = self.rfile.read(length)
+            except TimeoutError:
+                raw = b""
+            if len(raw) < length:
+                raise RequestError(400, f"body shorter than its Content-Length ({len(raw)} < {length})")
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise RequestError(400, "body is not valid UTF-8") from None
+            try:
+                body = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise RequestError(400, f"body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+            if not isinstance(body, dict):
+                raise RequestError(400, f"body must be a JSON object, got {type(body).__name__}")
+            return body
+
+        # -------------------------------------------------------------- generation
+        def article_completion(self, body):
+            if "prompt" in body:
+                prompt = body["prompt"]
+                if not isinstance(prompt, str):
+                    raise RequestError(400, "'prompt' must be a string")
+            elif "instruction" in body:
+                prompt = format_instruction(body, server.template)
+            else:
+                raise RequestError(400, "send 'prompt' (raw text) or 'instruction' (with optional 'context')")
+            [g] = self.run_generations([prompt], body, default_max_tokens=256, stream=False)
+            self.send_json(200, {"generated_text": prompt + g.text, "completion": g.text,
+                                 "prompt_tokens": len(g.prompt_ids) - 1, "completion_tokens": len(g.ids),
+                                 "finish_reason": g.finish_reason})
+            return 200
+
+        def openai_completion(self, body):
+            prompts = body.get("prompt")
+            if isinstance(prompts, str):
+                prompts = [prompts]
+            if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
+                raise RequestError(400, "'prompt' must be a string or a non-empty list of strings")
+            if body.get("n", 1) != 1:
+                raise RequestError(400, "only n=1 is supported")
+            stream = body.get("stream", False)
+            if not isinstance(stream, bool):
+                raise RequestError(400, "'stream' must be a boolean")
+            created, cid = int(time.time()), f"cmpl-{uuid.uuid4().hex[:24]}"
+            base = {"id": cid, "object": "text_completion", "created": created, "model": server.model_name}
+            if stream:
+                self.stream_completion(prompts, body, base)
+                return 200
+            gens = self.run_generations(prompts, body, default_max_tokens=16, stream=False)
+            prompt_tokens = sum(len(g.prompt_ids) - 1 for g in gens)
+            completion_tokens = sum(len(g.ids) for g in gens)
+            self.send_json(200, base | {
+                "choices": [{"text": g.text, "index": i, "logprobs": None, "finish_reason": g.finish_reason}
+                            for i, g in enumerate(gens)],
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                          "total_tokens": prompt_tokens + completion_tokens}})
+            return 200
+
+        def stream_completion(self, prompts, body, base):
+            events = queue.Queue()
+            gens = self.run_generations(prompts, body, default_max_tokens=16, stream=events)
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.close_connection = True
+            finished = 0
+            while finished < len(gens):
+                index, text, reason = events.get()
+                finished += reason is not None
+                chunk = base | {"choices": [{"text": text, "index": index, "logprobs": None,
+                                             "finish_reason": reason}]}
+                self.wfile.write(f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n".encode())
+                self.wfile.flush()
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+
+        def run_generations(self, prompts, body, default_max_tokens, stream):
+            sampling, seed, stop = parse_sampling(body, args.sampler, server)
+            engine = server.engine
+            largest = engine.length_buckets[-1]
+            max_tokens = body.get("max_tokens")
+            if max_tokens is not None and (not is_int(max_tokens) or max_tokens < 1):
+                raise RequestError(400, "'max_tokens' must be a positive integer")
+            if max_tokens is not None and max_tokens > args.max_tokens_limit:
+                raise RequestError(400, f"'max_tokens' {max_tokens} is over the limit of {args.max_tokens_limit}")
+            gens = []
+            for i, prompt in enumerate(prompts):
+                prompt_ids = [engine.bos] + engine.encode(prompt)
+                room = largest - len(prompt_ids)
+                wanted = max_tokens if max_tokens is not None else min(default_max_tokens, room)
+                if wanted > room or room < 1:
+                    raise RequestError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({wanted}) exceeds the "
+                                            f"longest sequence this server compiled ({largest}); shorten the prompt "
+                                            "or max_tokens, or start the server with larger --length-buckets")
+                gens.append(Generation(prompt_ids, wanted, sampling, (seed + i) % 2**32, stop,
+                                       stream if stream else None, i))
+            try:
+                server.worker.submit(gens)
+            except QueueFull:
+                raise RequestError(503, "server is busy: request queue is full", "overloaded_error",
+                                   {"Retry-After": "1"}) from None
+            for g in gens:
+                g.done.wait()
+            if any(g.finish_reason == "error" for g in gens):
+                raise RequestError(500, "generation failed", "server_error")
+            self.stats = (sum(len(g.prompt_ids) - 1 for g in gens), sum(len(g.ids) for g in gens),
+                          max(g.started - g.enqueued for g in gens))
+            METRICS.add("prompt_tokens", self.stats[0])
+            METRICS.add("generated_tokens", self.stats[1])
+            return gens
+
+    return Handler
+
+
+def format_instruction(body, template):
+    instruction, context = body.get("instruction"), body.get("context", "")
+    if not isinstance(instruction, str):
+        raise RequestError(400, "'instruction' must be a string")
+    if context is None:
+        context = ""
+    if not isinstance(context, str):
+        raise RequestError(400, "'context' must be a string")
+    if context:
+        return template["prompt_with_context"].format(instruction=instruction, context=context)
+    return template["prompt"].format(instruction=instruction)
+
+
+def parse_sampling(body, sampler, server):
+    sampling = dict(SAMPLER_DEFAULTS[sampler])
+    temperature, top_p, top_k = body.get("temperature"), body.get("top_p"), body.get("top_k")
+    if temperature is not None:
+        if not is_number(temperature) or not 0 <= temperature <= 2:
+            raise RequestError(400, "'temperature' must be a number from 0 to 2")
+        sampling["temperature"] = float(temperature)
+        if "top_k" not in body and sampler != "top_k":
+            sampling["top_k"] = CANDIDATES
+    if top_p is not None:
+        if not is_number(top_p) or not 0 < top_p <= 1:
+            raise RequestError(400, "'top_p' must be a number in (0, 1]")
+        sampling["top_p"] = float(top_p)
+    if top_k is not None:
+        if not is_int(top_k) or top_k < -1:
+            raise RequestError(400, "'top_k' must be an integer; -1 or 0 disables it")
+        sampling["top_k"] = CANDIDATES if top_k <= 0 else min(top_k, CANDIDATES)
+    seed = body.get("seed")
+    if seed is not None and not is_int(seed):
+        raise RequestError(400, "'seed' must be an integer")
+    if seed is None:
+        with server.lock:
+            import random
+            if not hasattr(server, "rng"):
+                server.rng = random.Random(server.rng_seed)
+            seed = server.rng.getrandbits(32)
+    stop = body.get("stop") or []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise RequestError(400, "'stop' must be a string or a list of up to 4 non-empty strings")
+    return sampling, seed % 2**32, stop
+
+
+def usage():
+    return {"service": "Gemma LoRA server", "endpoints": {
+        "POST /": '{"prompt": "...", "max_tokens": 256} or {"instruction": "...", "context": "..."} '
+                  '-> {"generated_text", "completion", "prompt_tokens", "completion_tokens", "finish_reason"}',
+        "POST /v1/completions": "OpenAI-compatible completions (stream supported)",
+        "GET /v1/models": "the served model", "GET /health": "200 when ready", "GET /metrics": "Prometheus"}}
+
+
+def batch_buckets(max_batch_size, batch_axis):
+    sizes, size = set(), 1
+    while size < max_batch_size:
+        sizes.add(size)
+        size *= 2
+    sizes.add(max_batch_size)
+    # Under data parallelism every batch must split evenly over the batch axis.
+    return sorted({-(-s // batch_axis) * batch_axis for s in sizes})
+
+
+def load(server):
+    """Loads and warms the model on a background thread while /health answers 503."""
+    args = server.args
+    try:
+        import jax
+        if args.compile_cache:
+            jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compile_cache))
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        import jax.monitoring
+        jax.monitoring.register_event_duration_secs_listener(
+            lambda event, *_, **__: METRICS.add("compilations") if event == "/jax/core/compile/backend_compile_duration"
+            else None)
+        keep_tensorflow_off_accelerators()
+        import keras_hub
+        distribution, batch_axis = setup_distribution(args)
+        started = time.time()
+        model = keras_hub.models.CausalLM.from_preset(args.model)
+        server.template = read_prompt_template(args.model)
+        log(f"model: {type(model).__name__} from {args.model} loaded in {time.time() - started:.1f}s")
+        server.state = "warming"
+        engine = Engine(model, batch_buckets(args.max_batch_size, batch_axis), args.length_buckets, distribution)
+        started = time.time()
+        engine.warm_up()
+        log(f"warm-up: {len(engine.batch_buckets) * len(engine.length_buckets)} buckets, "
+            f"{METRICS.compilations} XLA compilations in {time.time() - started:.1f}s")
+        server.engine = engine
+        server.worker = Worker(engine, engine.batch_buckets[-1], args.batch_window_ms / 1000, args.max_queue)
+        threading.Thread(target=server.worker.run, daemon=True, name="model-worker").start()
+        server.state = "ready"
+        log(f"ready on http://{args.host}:{args.port}")
+    except Exception as e:
+        log(f"error: could not load {args.model}: {type(e).__name__}: {e}")
+        server.state = "failed"
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    server = Server(args)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        log(f"warning: listening on {args.host} without --api-key: anyone who can reach this port can use it")
+    httpd = ThreadingHTTPServer((args.host, args.port), make_handler(server))
+    httpd.daemon_threads = True
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True).start()
+    log(f"listening on {args.host}:{args.port}; loading {args.model} (/health is 503 until ready)")
+    threading.Thread(target=load, args=(server,), daemon=True).start()
+    stop.wait()
+    failed = server.state == "failed"
+    server.state = "shutting_down"
+    log("shutting down: no new connections; finishing in-flight requests")
+    httpd.shutdown()
+    deadline = time.time() + args.shutdown_timeout
+    while time.time() < deadline and (server.in_flight or (server.worker and not server.worker.idle())):
+        time.sleep(0.05)
+    httpd.server_close()
+    log("stopped")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
