@@ -600,24 +600,25 @@ def write_loss_plot(path, history, eval_before, eval_after):
     plt.close(fig)
 
 
-def prepare_output(args):
-    """Refuses to clobber; returns the working dir beside --output that becomes it at the end."""
+def check_output(args):
+    """Refuses to clobber, before any work; returns the dir beside --output that becomes it at the end."""
     output = Path(args.output)
     if output.exists() and (not output.is_dir() or any(output.iterdir())) and not args.overwrite:
         raise UserError(f"--output {output} already exists and is not empty; pass --overwrite to replace it "
                         "(the old one is kept until the new one is complete)")
     work_dir = output.with_name(output.name + ".partial")
-    if work_dir.exists():
-        if args.resume and (work_dir / CHECKPOINT_FILE).exists():
-            return work_dir
-        if args.resume:
-            raise UserError(f"--resume: no checkpoint in {work_dir}; start without --resume")
-        shutil.rmtree(work_dir)
-    elif args.resume:
-        raise UserError(f"--resume: no interrupted run found ({work_dir} does not exist)")
-    if IS_MAIN_PROCESS:
-        work_dir.mkdir(parents=True)
+    if args.resume and not (work_dir / CHECKPOINT_FILE).exists():
+        raise UserError(f"--resume: no checkpoint of an interrupted run in {work_dir}; start without --resume")
     return work_dir
+
+
+def start_work_dir(work_dir, resume):
+    """A fresh work dir, unless resuming into the interrupted one; leftovers of a crash are discarded."""
+    if resume or not IS_MAIN_PROCESS:
+        return
+    if work_dir.exists():
+        shutil.rmtree(work_dir)
+    work_dir.mkdir(parents=True)
 
 
 def publish(work_dir, output):
@@ -654,7 +655,7 @@ def main(argv=None):
     import keras
     import numpy as np
 
-    work_dir = prepare_output(args)
+    work_dir = check_output(args)
     train_pairs, eval_pairs = load_data(args)
     buckets = parse_buckets(args.buckets, args.sequence_length)
 
@@ -690,6 +691,7 @@ def main(argv=None):
     trainer.warm_up(used, args.batch_size, pad_id, with_eval=bool(eval_examples))
     compile_seconds = time.time() - compile_started
 
+    start_work_dir(work_dir, args.resume)
     first_step, history, eval_before = 0, [], None
     if args.resume:
         first_step, history, eval_before = load_checkpoint(work_dir, trainer, args)

@@ -1,0 +1,154 @@
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SAMPLE_DATA = REPO / "tests" / "data" / "dolly_sample.jsonl"
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("KERAS_BACKEND", "jax")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+
+def script_env(**extra):
+    env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(scope="session")
+def compile_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("xla-cache"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny-gemma")
+    subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_gemma.py"), str(out)], check=True,
+                   capture_output=True, env=script_env())
+    return out
+
+
+@pytest.fixture(scope="session")
+def run_train(compile_cache):
+    def run(*args, cwd=None, env=None, check=False, timeout=600):
+        cmd = [sys.executable, str(REPO / "train_local.py"), "--compile-cache", compile_cache, *map(str, args)]
+        result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env or script_env(),
+                                timeout=timeout)
+        if check and result.returncode != 0:
+            raise AssertionError(f"train_local.py failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+        return result
+    return run
+
+
+@pytest.fixture(scope="session")
+def trained_model(tmp_path_factory, tiny_model, run_train):
+    out = tmp_path_factory.mktemp("trained") / "model"
+    run_train("--model", tiny_model, "--data", SAMPLE_DATA, "--limit", 40, "--eval-examples", 12,
+              "--max-steps", 6, "--output", out, check=True)
+    return out
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(method, url, body=None, headers=None, timeout=120):
+    """(status, parsed JSON or text, headers) for a request; never raises on HTTP errors."""
+    data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json", **(headers or {})} if data is not None else (headers or {})
+    request = urllib.request.Request(url, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            status, raw, hdrs = response.status, response.read(), response.headers
+    except urllib.error.HTTPError as e:
+        status, raw, hdrs = e.code, e.read(), e.headers
+    text = raw.decode()
+    try:
+        return status, json.loads(text), hdrs
+    except json.JSONDecodeError:
+        return status, text, hdrs
+
+
+class ServerProcess:
+    def __init__(self, model_dir, compile_cache, *extra, env=None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(model_dir).parent / f"serve-{self.port}.log"
+        cmd = [sys.executable, str(REPO / "serve.py"), "--model", str(model_dir), "--host", "127.0.0.1",
+               "--port", str(self.port), "--compile-cache", compile_cache, *map(str, extra)]
+        self.log = open(self.log_path, "w")
+        self.process = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env or script_env())
+
+    def wait_ready(self, timeout=300):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.process.poll() is not None:
+                raise AssertionError(f"serve.py exited {self.process.returncode}:\n{self.output()}")
+            try:
+                if http("GET", self.url + "/health", timeout=5)[0] == 200:
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.3)
+        raise AssertionError(f"serve.py not ready after {timeout}s:\n{self.output()}")
+
+    def output(self):
+        self.log.flush()
+        return self.log_path.read_text()
+
+    def metric(self, name, headers=None):
+        _, text, _ = http("GET", self.url + "/metrics", headers=headers)
+        values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")]
+        return values[0]
+
+    def stop(self):
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        self.log.close()
+
+
+@pytest.fixture(scope="session")
+def start_server(compile_cache):
+    servers = []
+
+    def start(model_dir, *extra, wait=True, env=None):
+        server = ServerProcess(model_dir, compile_cache, *extra, env=env)
+        servers.append(server)
+        return server.wait_ready() if wait else server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+@contextlib.contextmanager
+def raw_connection(port):
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        yield s
+
+
+def raw_request(port, data):
+    """Sends raw bytes, returns (status, body text)."""
+    with raw_connection(port) as s:
+        s.sendall(data)
+        s.shutdown(socket.SHUT_WR)
+        chunks = []
+        while chunk := s.recv(65536):
+            chunks.append(chunk)
+    head, _, body = b"".join(chunks).partition(b"\r\n\r\n")
+    return int(head.split()[1]), body.decode(errors="replace")
