@@ -481,13 +481,14 @@ def make_handler(server):
             started = time.time()
             path = self.path.split("?", 1)[0]
             self.stats = None
+            self.body_read = False
             status = 500
             try:
                 status = self.route(method, path)
             except RequestError as e:
                 status = e.status
-                if status in (400, 411, 413) and method == "POST":
-                    self.close_connection = True  # the body may be unread or partial
+                if not self.body_read and self.headers.get("Content-Length", "0").strip() != "0":
+                    self.close_connection = True  # an unread body must not be parsed as the next request
                 self.send_error_json(e)
             except (BrokenPipeError, ConnectionResetError):
                 status = 499
@@ -594,6 +595,7 @@ def make_handler(server):
                 raw = b""
             if len(raw) < length:
                 raise RequestError(400, f"body shorter than its Content-Length ({len(raw)} < {length})")
+            self.body_read = True
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError:

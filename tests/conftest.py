@@ -104,7 +104,8 @@ class ServerProcess:
         raise AssertionError(f"serve.py not ready after {timeout}s:\n{self.output()}")
 
     def output(self):
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         return self.log_path.read_text()
 
     def metric(self, name, headers=None):

@@ -1,0 +1,259 @@
+"""serve.py as a real subprocess over real HTTP, on a tiny trained Gemma."""
+import concurrent.futures
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from conftest import REPO, http, raw_request, script_env
+
+ARTICLE_PROMPT = "Instruction:\nExplain the difference between a GPU and a TPU.\n\nResponse:\n"
+SERVE_FLAGS = ["--length-buckets", "64,320", "--max-batch-size", "4", "--max-body-bytes", "4096", "--seed", "0"]
+
+
+@pytest.fixture(scope="module")
+def server(trained_model, start_server):
+    return start_server(trained_model, *SERVE_FLAGS)
+
+
+def post(server, body, path="/", **kw):
+    return http("POST", server.url + path, body, **kw)
+
+
+def good_request_works(server):
+    status, body, _ = post(server, {"prompt": "Hello", "max_tokens": 3, "temperature": 0})
+    return status == 200 and body["completion_tokens"] <= 3
+
+
+def test_article_curl_verbatim(server):
+    result = subprocess.run(
+        ["curl", "-s", "-X", "POST", server.url + "/", "-H", "Content-Type: application/json",
+         "-d", json.dumps({"prompt": ARTICLE_PROMPT, "max_tokens": 256})], capture_output=True, text=True, check=True)
+    body = json.loads(result.stdout)
+    assert body["generated_text"].startswith(ARTICLE_PROMPT)
+    assert body["generated_text"] == ARTICLE_PROMPT + body["completion"]
+    assert 0 <= body["completion_tokens"] <= 256 and body["finish_reason"] in ("stop", "length")
+    assert body["prompt_tokens"] > 10
+
+
+def test_max_tokens_counts_new_tokens(server):
+    status, body, _ = post(server, {"prompt": ARTICLE_PROMPT, "max_tokens": 7, "temperature": 0})
+    assert status == 200
+    assert body["completion_tokens"] <= 7
+    assert (body["finish_reason"] == "length") == (body["completion_tokens"] == 7)
+
+
+def test_instruction_mode_applies_the_recorded_template(server):
+    status, body, _ = post(server, {"instruction": "Name a fruit.", "max_tokens": 5, "temperature": 0})
+    assert status == 200 and body["generated_text"].startswith("Instruction:\nName a fruit.\n\nResponse:\n")
+    status, with_context, _ = post(server, {"instruction": "Summarise.", "context": "A text.", "max_tokens": 5})
+    assert status == 200
+    assert with_context["generated_text"].startswith("Instruction:\nSummarise.\n\nContext:\nA text.\n\nResponse:\n")
+    lone = post(server, {"prompt": "Instruction:\nName a fruit.\n\nResponse:\n", "max_tokens": 5,
+                         "temperature": 0})[1]
+    assert lone["completion"] == body["completion"]
+
+
+BAD_BODIES = [
+    (b"{not json", 400, "not valid JSON"),
+    (b"[1, 2]", 400, "JSON object"),
+    (b'{"prompt": "\xff\xfe"}', 400, "UTF-8"),
+    (json.dumps({"prompt": 5}).encode(), 400, "'prompt' must be a string"),
+    (json.dumps({"max_tokens": 5}).encode(), 400, "send 'prompt'"),
+    (json.dumps({"prompt": "x", "max_tokens": 0}).encode(), 400, "positive integer"),
+    (json.dumps({"prompt": "x", "max_tokens": -3}).encode(), 400, "positive integer"),
+    (json.dumps({"prompt": "x", "max_tokens": 2.5}).encode(), 400, "positive integer"),
+    (json.dumps({"prompt": "x", "max_tokens": True}).encode(), 400, "positive integer"),
+    (json.dumps({"prompt": "x", "max_tokens": "10"}).encode(), 400, "positive integer"),
+    (json.dumps({"prompt": "x", "max_tokens": 1_000_000_000}).encode(), 400, "over the limit"),
+    (json.dumps({"prompt": "word " * 100, "max_tokens": 300}).encode(), 400, "exceeds the longest sequence"),
+    (json.dumps({"prompt": "x", "temperature": "hot"}).encode(), 400, "'temperature'"),
+    (json.dumps({"prompt": "x", "stop": 3}).encode(), 400, "'stop'"),
+    (json.dumps({"prompt": "x" * 5000}).encode(), 413, "limit"),
+]
+
+
+@pytest.mark.parametrize("raw, status, message", BAD_BODIES)
+def test_bad_bodies_are_4xx_json_and_the_server_keeps_serving(server, raw, status, message):
+    got, body, _ = post(server, raw)
+    assert got == status
+    assert body["error"]["type"] == "invalid_request_error" and message in body["error"]["message"]
+    assert good_request_works(server)
+
+
+@pytest.mark.parametrize("request_bytes, status", [
+    (b"POST / HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\r\n", 411),
+    (b"POST / HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: -5\r\n\r\n", 400),
+    (b"POST / HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: abc\r\n\r\n", 400),
+    (b"POST / HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\"", 400),
+    (b"POST / HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\nContent-Length: 2\r\n\r\nhi", 415),
+    (b"GET /nope HTTP/1.1\r\nHost: x\r\n\r\n", 404),
+    (b"GET /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n", 405),
+    (b"DELETE / HTTP/1.1\r\nHost: x\r\n\r\n", 405),
+    (b"POST /health HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n", 405),
+])
+def test_bad_requests_are_answered_and_the_server_keeps_serving(server, request_bytes, status):
+    got, body = raw_request(server.port, request_bytes)
+    assert got == status
+    assert "message" in json.loads(body)["error"]
+    assert good_request_works(server)
+
+
+def test_health_usage_models(server):
+    assert http("GET", server.url + "/health")[:2] == (200, {"status": "ok"})
+    status, usage, _ = http("GET", server.url + "/")
+    assert status == 200 and "POST /" in usage["endpoints"]
+    status, models, _ = http("GET", server.url + "/v1/models")
+    assert status == 200 and models["data"][0]["id"] == "model"
+
+
+def test_openai_client_plain_and_streaming(server):
+    import openai
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    plain = client.completions.create(model="model", prompt=ARTICLE_PROMPT, max_tokens=12, temperature=0)
+    assert plain.object == "text_completion" and plain.choices[0].finish_reason in ("stop", "length")
+    assert plain.usage.completion_tokens <= 12 and plain.usage.prompt_tokens > 10
+    chunks = list(client.completions.create(model="model", prompt=ARTICLE_PROMPT, max_tokens=12, temperature=0,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == plain.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason
+    batch = client.completions.create(model="model", prompt=[ARTICLE_PROMPT, "Hello"], max_tokens=4, temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1] and batch.choices[0].text == \
+        client.completions.create(model="model", prompt=ARTICLE_PROMPT, max_tokens=4, temperature=0).choices[0].text
+
+
+def test_stream_ends_with_done(server):
+    request = urllib.request.Request(server.url + "/v1/completions", method="POST",
+                                     data=json.dumps({"prompt": "Hi", "max_tokens": 5, "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert response.headers["Content-Type"] == "text/event-stream"
+        events = [line for line in response.read().decode().split("\n\n") if line]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][len("data: "):])["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_stop_strings_cut_the_completion(server):
+    _, free, _ = post(server, {"prompt": ARTICLE_PROMPT, "max_tokens": 30, "temperature": 0})
+    text = free["completion"]
+    if len(text) < 4:
+        pytest.skip("greedy completion too short to cut")
+    stop = text[2:4]
+    _, cut, _ = post(server, {"prompt": ARTICLE_PROMPT, "max_tokens": 30, "temperature": 0, "stop": stop})
+    assert cut["completion"] == text[: text.index(stop)] and cut["finish_reason"] == "stop"
+
+
+PROMPTS = [f"Instruction:\nQuestion number {i}: {'why ' * i}?\n\nResponse:\n" for i in range(8)]
+
+
+def test_concurrent_requests_get_what_a_lone_request_gets(server):
+    alone = [post(server, {"prompt": p, "max_tokens": 16, "temperature": 0})[1]["completion"] for p in PROMPTS]
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        together = list(pool.map(lambda p: post(server, {"prompt": p, "max_tokens": 16, "temperature": 0}),
+                                 PROMPTS))
+    assert all(status == 200 for status, _, _ in together)
+    assert [body["completion"] for _, body, _ in together] == alone
+    _, metrics, _ = http("GET", server.url + "/metrics")
+    assert any(line.startswith("serve_batches_total{size=") and not line.startswith('serve_batches_total{size="1"}')
+               for line in metrics.splitlines()), "concurrent requests were never batched"
+
+
+def test_seeded_sampling_is_reproducible_alone_and_batched(server):
+    body = {"prompt": ARTICLE_PROMPT, "max_tokens": 12, "temperature": 1.0, "top_k": 50, "seed": 1234}
+    first = post(server, body)[1]["completion"]
+    assert post(server, body)[1]["completion"] == first
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda b: post(server, b)[1]["completion"],
+                                [body, dict(body, seed=1), dict(body, seed=2), body]))
+    assert results[0] == results[3] == first
+
+
+def test_no_compilation_after_warm_up(server):
+    before = server.metric("serve_compilations_total")
+    assert before > 0
+    requests = [{"prompt": "a", "max_tokens": 1}, {"prompt": ARTICLE_PROMPT * 3, "max_tokens": 100},
+                {"prompt": "b", "max_tokens": 9, "temperature": 0.3, "top_p": 0.5, "seed": 5, "stop": ["x"]},
+                {"instruction": "c", "context": "d", "max_tokens": 40, "top_k": 3}]
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        list(pool.map(lambda b: post(server, b), requests * 3))
+    post(server, {"prompt": "s", "max_tokens": 6, "stream": True}, path="/v1/completions")
+    assert server.metric("serve_compilations_total") == before
+    _, metrics, _ = http("GET", server.url + "/metrics")
+    assert 'serve_requests_total{path="/",status="200"}' in metrics
+    assert "serve_request_latency_seconds_bucket" in metrics and "serve_queue_depth 0" in metrics
+
+
+def test_health_is_503_until_ready(trained_model, start_server):
+    server = start_server(trained_model, "--length-buckets", "64", "--max-batch-size", "1", wait=False)
+    statuses = []
+    deadline = time.time() + 120
+    while time.time() < deadline and 200 not in statuses:
+        try:
+            statuses.append(http("GET", server.url + "/health", timeout=5)[0])
+        except OSError:
+            pass
+        time.sleep(0.1)
+    assert statuses[0] == 503 and statuses[-1] == 200
+    assert "warm-up: compiled prefill + decode for batch 1 x length 64" in server.output()
+
+
+def test_api_key_guards_everything_but_health(trained_model, start_server):
+    server = start_server(trained_model, "--length-buckets", "64", "--max-batch-size", "1", "--api-key", "s3cret")
+    assert http("GET", server.url + "/health")[0] == 200
+    for method, path in [("POST", "/"), ("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions")]:
+        status, body, headers = http(method, server.url + path, {"prompt": "x"} if method == "POST" else None)
+        assert status == 401 and body["error"]["type"] == "authentication_error", path
+    auth = {"Authorization": "Bearer s3cret"}
+    assert post(server, {"prompt": "x", "max_tokens": 2}, headers=auth)[0] == 200
+    assert post(server, {"prompt": "x", "max_tokens": 2}, headers={"Authorization": "Bearer wrong"})[0] == 401
+    import openai
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="s3cret")
+    assert client.completions.create(model="m", prompt="x", max_tokens=2).choices[0].finish_reason
+
+
+def test_warns_when_public_without_key(server, trained_model):
+    assert "without --api-key" not in server.output()  # bound to 127.0.0.1
+    port_free = socket.socket()
+    port_free.bind(("127.0.0.1", 0))
+    port = port_free.getsockname()[1]
+    port_free.close()
+    process = subprocess.Popen([sys.executable, str(REPO / "serve.py"), "--model", str(trained_model), "--host",
+                                "0.0.0.0", "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, env=script_env())
+    first_line = process.stdout.readline()
+    process.terminate()
+    process.wait(60)
+    assert "warning" in first_line and "without --api-key" in first_line
+
+
+def test_full_queue_answers_503_with_retry_after(trained_model, start_server):
+    server = start_server(trained_model, "--length-buckets", "320", "--max-batch-size", "1", "--max-queue", "1")
+    body = {"prompt": "Hello", "max_tokens": 300, "temperature": 0}
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda _: post(server, body), range(8)))
+    statuses = [status for status, _, _ in results]
+    assert 200 in statuses and 503 in statuses
+    rejected = next(r for r in results if r[0] == 503)
+    assert rejected[2]["Retry-After"] and rejected[1]["error"]["type"] == "overloaded_error"
+    assert good_request_works(server)
+
+
+def test_graceful_shutdown_finishes_in_flight_requests(trained_model, start_server):
+    server = start_server(trained_model, "--length-buckets", "320", "--max-batch-size", "1")
+    request = urllib.request.Request(
+        server.url + "/v1/completions", method="POST", headers={"Content-Type": "application/json"},
+        data=json.dumps({"prompt": "Hi", "max_tokens": 300, "temperature": 0, "stream": True}).encode())
+    with urllib.request.urlopen(request, timeout=60) as response:
+        first = response.readline()
+        assert first.startswith(b"data: ")
+        server.process.send_signal(signal.SIGTERM)
+        rest = response.read().decode()
+    assert rest.rstrip().endswith("data: [DONE]")
+    assert server.process.wait(60) == 0
+    assert "shutting down" in server.output() and "stopped" in server.output()
