@@ -473,7 +473,10 @@ class Trainer:
         def eval_step(trainable, non_trainable, token_ids, padding_mask, labels, weights):
             return totals(trainable, non_trainable, token_ids, padding_mask, labels, weights, False)
 
-        self._train_step = jax.jit(train_step, donate_argnums=(0, 1))
+        # Updated weights and optimizer state must keep their shardings, or under model parallelism XLA
+        # may hand them back laid out differently from what the next step was compiled for.
+        keep_layout = ([v.sharding for v in self.trainable], [v.sharding for v in self.opt_state], None)
+        self._train_step = jax.jit(train_step, donate_argnums=(0, 1), out_shardings=keep_layout)
         self._eval_step = jax.jit(eval_step)
         self.compiled_train, self.compiled_eval = {}, {}
 

@@ -1,0 +1,97 @@
+"""Data- and model-parallel training and serving on a simulated 4-device CPU mesh.
+
+XLA_FLAGS=--xla_force_host_platform_device_count=4 must be set before JAX starts, so every run here is
+a subprocess; the results are compared with a single-device run from the same seed.
+"""
+import json
+
+import numpy as np
+import pytest
+
+import train_local
+from conftest import SAMPLE_DATA, script_env
+
+FOUR_DEVICES = script_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model, run_train):
+    base = tmp_path_factory.mktemp("dist")
+    common = ["--model", tiny_model, "--data", SAMPLE_DATA, "--limit", 32, "--eval-examples", 12,
+              "--learning-rate", 1e-3, "--seed", 3]
+    outputs = {}
+    for name, extra, env in [("single", [], None),
+                             ("data", ["--distribution", "data"], FOUR_DEVICES),
+                             ("model", ["--distribution", "model", "--mesh", "2,2"], FOUR_DEVICES),
+                             ("model_1x4", ["--distribution", "model", "--mesh", "1,4"], FOUR_DEVICES)]:
+        result = run_train(*common, *extra, "--output", base / name, env=env, check=True)
+        outputs[name] = (base / name, result.stdout)
+    return outputs
+
+
+def record(path):
+    return json.loads((path / "training.json").read_text())
+
+
+@pytest.mark.parametrize("name, mode", [("data", "data"), ("model", "model"), ("model_1x4", "model")])
+def test_parallel_runs_end_with_the_single_device_eval_loss(runs, name, mode):
+    single, parallel = record(runs["single"][0]), record(runs[name][0])
+    assert parallel["distribution"] == mode and parallel["devices"] == 4
+    assert single["distribution"] == "off" and single["devices"] == 1
+    assert parallel["eval_loss_after"] == pytest.approx(single["eval_loss_after"], abs=1e-3)
+    assert parallel["eval_loss_after"] != pytest.approx(parallel["eval_loss_before"], abs=1e-4)  # it trained
+    assert f"distribution: {mode} over 4 cpu devices" in runs[name][1]
+
+
+def test_model_parallel_output_reloads_on_one_device_with_the_same_outputs(runs):
+    import keras_hub
+    x = {"token_ids": np.array([[2, 100, 200, 300, 400, 500, 600]], np.int32), "padding_mask": np.ones((1, 7), bool)}
+    single = keras_hub.models.CausalLM.from_preset(str(runs["single"][0]))
+    sharded = keras_hub.models.CausalLM.from_preset(str(runs["model"][0]))
+    assert np.allclose(np.asarray(single(x)), np.asarray(sharded(x)), atol=1e-3)
+
+
+def test_kv_heads_stay_replicated_when_fewer_than_model_shards(tiny_model):
+    import keras
+    mesh = keras.distribution.DeviceMesh(shape=(2, 2), axis_names=("batch", "model"),
+                                         devices=np.array([f"cpu:{i}" for i in range(4)]))
+    layout = train_local.layout_map_for(train_local.backbone_class(str(tiny_model)), str(tiny_model), mesh, 2)
+    assert layout["decoder_block_0/attention/key/kernel"].axes[0] is None  # tiny model: one KV head
+    assert layout["decoder_block_0/attention/value/kernel"].axes[0] is None
+    assert layout["decoder_block_0/attention/query/kernel"].axes[0] == "model"
+
+
+def test_batch_that_does_not_divide_the_batch_axis_is_a_clear_error(tmp_path, tiny_model, run_train):
+    result = run_train("--model", tiny_model, "--data", SAMPLE_DATA, "--limit", 8, "--batch-size", 6,
+                       "--output", tmp_path / "m", env=FOUR_DEVICES)
+    assert result.returncode == 2 and "does not divide over the 4 devices" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+PROMPTS = ["Instruction:\nWhat is 2 plus 2?\n\nResponse:\n", "Instruction:\nName a river.\n\nResponse:\n",
+           "Hello there", "Instruction:\nSpell 'pear' backwards.\n\nResponse:\n"]
+
+
+def completions(server):
+    from conftest import http
+    out = []
+    for prompt in PROMPTS:
+        for body in ({"prompt": prompt, "max_tokens": 12, "temperature": 0},
+                     {"prompt": prompt, "max_tokens": 12, "temperature": 1.0, "top_k": 20, "seed": 7}):
+            status, answer, _ = http("POST", server.url + "/", body)
+            assert status == 200
+            out.append(answer["completion"])
+    return out
+
+
+def test_serving_on_a_mesh_answers_like_one_device(runs, start_server):
+    model_dir = runs["model"][0]
+    flags = ["--length-buckets", "64", "--max-batch-size", "4"]
+    one = start_server(model_dir, *flags)
+    expected = completions(one)
+    one.stop()
+    for extra in (["--distribution", "model", "--mesh", "2,2"], ["--distribution", "data"]):
+        server = start_server(model_dir, *flags, *extra, env=FOUR_DEVICES)
+        assert completions(server) == expected, extra
+        assert "distribution:" in server.output()
+        server.stop()
