@@ -313,10 +313,21 @@ def setup_runtime(args):
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     keep_tensorflow_off_accelerators()
     import keras
-    multi_host = [args.coordinator_address, args.num_processes, args.process_id]
-    if any(v is not None for v in multi_host) or os.environ.get("KERAS_DISTRIBUTION_NUM_PROCESSES"):
+    explicit = any(v is not None for v in (args.coordinator_address, args.num_processes, args.process_id)) or \
+        any(os.environ.get(f"KERAS_DISTRIBUTION_{k}") for k in ("JOB_ADDRESSES", "NUM_PROCESSES", "PROCESS_ID"))
+    if explicit:
         keras.distribution.initialize(args.coordinator_address, args.num_processes, args.process_id)
+    elif on_cloud_tpu_vm():
+        try:  # JAX finds the pod slice's hosts itself; on a single-host TPU VM this is one process
+            keras.distribution.initialize()
+        except Exception as e:
+            print(f"note: multi-host initialisation skipped ({e}); running as a single process", flush=True)
     IS_MAIN_PROCESS = jax.process_index() == 0
+
+
+def on_cloud_tpu_vm():
+    import glob
+    return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
 def keep_tensorflow_off_accelerators():
