@@ -222,7 +222,7 @@ def read_prompt_template(model_dir):
 class Engine:
     """Owns the model: compiled prefill and decode programs per (batch, length) bucket."""
 
-    def __init__(self, model, batch_buckets, length_buckets, distribution):
+    def __init__(self, model, batch_buckets, length_buckets, distribution, tokenizer=None):
         import inspect
         import jax
         import jax.numpy as jnp
@@ -230,7 +230,7 @@ class Engine:
         self.model = model
         self.batch_buckets, self.length_buckets = batch_buckets, length_buckets
         self.distribution = distribution
-        tokenizer = model.preprocessor.tokenizer
+        tokenizer = tokenizer or model.preprocessor.tokenizer
         self.encode, self.decode = make_text_codec(tokenizer)
         self.bos, self.pad = tokenizer.start_token_id, tokenizer.pad_token_id or 0
         self.stop_ids = {tokenizer.end_token_id}
@@ -252,8 +252,10 @@ class Engine:
                 return model._build_cache(token_ids)[1]
             return stateless(values, run)
 
-        def decode_step(values, cache, tokens, index, temperature, top_k, top_p, seeds):
-            logits, _, cache = stateless(values, lambda: model.call_with_cache(tokens[:, None], cache, index))
+        def decode_step(values, cache, current, index, prompts, prompt_lengths, temperature, top_k, top_p, seeds):
+            """Feeds current[b] at `index`, samples what follows, and picks the next input: the prompt's
+            own token while a row is still reading its prompt, else the sample."""
+            logits, _, cache = stateless(values, lambda: model.call_with_cache(current[:, None], cache, index))
             logits = logits[:, 0, :].astype(jnp.float32)
             top_logits, top_ids = jax.lax.top_k(logits, candidates)
             scaled = top_logits / jnp.maximum(temperature, 1e-6)[:, None]
@@ -263,15 +265,18 @@ class Engine:
             keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.PRNGKey(s), index))(seeds)
             choice = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, scaled, -jnp.inf))
             sampled = jnp.take_along_axis(top_ids, choice[:, None], axis=-1)[:, 0]
-            return jnp.where(temperature <= 0, top_ids[:, 0], sampled).astype(jnp.int32), cache
+            sampled = jnp.where(temperature <= 0, top_ids[:, 0], sampled).astype(jnp.int32)
+            following = jax.lax.dynamic_index_in_dim(prompts, index + 1, axis=1, keepdims=False)
+            return sampled, jnp.where(index + 1 < prompt_lengths, following, sampled), cache
 
         self._prefill = jax.jit(prefill)
         self._decode = jax.jit(decode_step, donate_argnums=(1,))
 
     def put(self, array):
-        if self.distribution is None:
-            return array
+        """Onto the device(s) once, split along the batch axis when data-parallel."""
         import jax
+        if self.distribution is None:
+            return jax.device_put(array)
         return jax.device_put(array, self.distribution.get_data_layout(array.shape).backend_layout)
 
     def warm_up(self):
@@ -304,21 +309,20 @@ class Engine:
             prompt_lengths[r] = len(row.prompt_ids)
             temperature[r], top_k[r], top_p[r] = row.sampling["temperature"], row.sampling["top_k"], row.sampling["top_p"]
             seeds[r] = row.seed
-        live = [r for r in range(len(rows))]
-        cache = self._prefill(self.values, self.put(tokens))
+        live = list(range(len(rows)))
+        prompts = self.put(tokens)
+        per_batch = [self.put(a) for a in (prompt_lengths, temperature, top_k, top_p, seeds)]
+        cache = self._prefill(self.values, prompts)
         index = int(prompt_lengths[: len(rows)].min()) - 1
-        current = tokens[:, index].copy()
+        current = self.put(tokens[:, index].copy())
         while live and index < length - 1:
-            next_tokens, cache = self._decode(self.values, cache, self.put(current), np.int32(index),
-                                              self.put(temperature), self.put(top_k), self.put(top_p),
-                                              self.put(seeds))
-            next_tokens = np.asarray(next_tokens)
+            sampled, current, cache = self._decode(self.values, cache, current, np.int32(index), prompts,
+                                                   *per_batch)
+            sampled = np.asarray(sampled)
             index += 1
-            # Rows whose prompt is longer than the shortest one are still reading their prompt here.
-            in_prompt = index < prompt_lengths
-            current = np.where(in_prompt, tokens[:, index], next_tokens).astype(np.int32)
             for r in list(live):
-                if not in_prompt[r] and rows[r].accept(int(next_tokens[r]), self):
+                # Rows whose prompt is longer than the shortest one are still reading their prompt here.
+                if index >= prompt_lengths[r] and rows[r].accept(int(sampled[r]), self):
                     live.remove(r)
         for r in live:
             rows[r].finish("length")

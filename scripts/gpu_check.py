@@ -1,0 +1,161 @@
+"""GPU check: the Gemma 2B architecture with random weights, bfloat16, rank-16 LoRA, on one accelerator.
+
+    python3 scripts/gpu_check.py [--config gemma_2b|tiny] [--steps 20]
+
+Measures the product's own code paths: train_local.Trainer's compiled train step at batch 4 x 512
+(ms/step after compile, MFU against --peak-tflops), serve.Engine's batched decode (generated tokens/s
+at batch 1 and 8, with keras-hub's generate() as a reference), and peak device memory. Random weights
+and pre-tokenized arrays: nothing is downloaded and TensorFlow is not needed. `--config tiny` runs the
+same script in seconds on a CPU, to check it before spending device time.
+"""
+import argparse
+import math
+import os
+import sys
+import time
+import types
+from pathlib import Path
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+CONFIGS = {  # gemma_2b as keras-hub defines it (GemmaBackbone presets)
+    "gemma_2b": dict(vocabulary_size=256000, num_layers=18, num_query_heads=8, num_key_value_heads=1,
+                     hidden_dim=2048, intermediate_dim=32768, head_dim=256),
+    "tiny": dict(vocabulary_size=1024, num_layers=2, num_query_heads=4, num_key_value_heads=1,
+                 hidden_dim=64, intermediate_dim=128, head_dim=16),
+}
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", choices=sorted(CONFIGS), default="gemma_2b")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--sequence-length", type=int, default=512)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 dense peak (H200: ~790)")
+    return p.parse_args()
+
+
+def build_model(config):
+    import keras
+    from keras_hub.models import GemmaBackbone, GemmaCausalLM
+    keras.utils.set_random_seed(0)
+    backbone = GemmaBackbone(**CONFIGS[config], dtype="bfloat16")
+    model = GemmaCausalLM(backbone=backbone, preprocessor=None)
+    model.backbone.enable_lora(rank=16)
+    return model
+
+
+def train_flops_per_step(model, batch, length):
+    """Frozen base: forward (2N) + activation gradients (2N) per token, plus attention scores both ways."""
+    b = model.backbone
+    n_params = b.count_params()  # the embedding doubles as the output projection, so every weight is a matmul
+    attention = 4 * b.num_layers * length * b.num_query_heads * b.head_dim  # QK^T and AV, forward, per token
+    return batch * length * (4 * n_params + 2 * attention)
+
+
+def time_training(model, args):
+    import keras
+    import numpy as np
+    import train_local
+    trainer = train_local.Trainer(model, keras.optimizers.AdamW(5e-5), None)
+    started = time.time()
+    trainer.warm_up([args.sequence_length], args.batch_size, 0, with_eval=False)
+    compile_seconds = time.time() - started
+    rng = np.random.default_rng(0)
+    vocab = model.backbone.vocabulary_size
+    batch = (rng.integers(3, vocab, (args.batch_size, args.sequence_length), dtype=np.int32),
+             np.ones((args.batch_size, args.sequence_length), bool),
+             rng.integers(3, vocab, (args.batch_size, args.sequence_length), dtype=np.int32),
+             np.ones((args.batch_size, args.sequence_length), np.float32))
+    for _ in range(3):  # settle: first calls include transfers and autotuning
+        trainer.train_on(batch, args.sequence_length)
+    started = time.time()
+    for _ in range(args.steps):
+        loss_sum, count, _ = trainer.train_on(batch, args.sequence_length)  # float() syncs every step
+    ms = (time.time() - started) / args.steps * 1000
+    trainer.write_back()  # the step donates its buffers: give the model its live weights back
+    return ms, compile_seconds, loss_sum / count
+
+
+def time_generation(model, args, batch_size):
+    import numpy as np
+    import serve
+    tokenizer = types.SimpleNamespace(proto=None, start_token_id=2, end_token_id=1, pad_token_id=0,
+                                      get_vocabulary=lambda: [], token_to_id=lambda _: None, detokenize=str)
+    prompt_length, total = 32, 32 + args.new_tokens
+    engine = serve.Engine(model, [batch_size], [total], None, tokenizer=tokenizer)
+    engine.stop_ids = set()  # random weights: never stop early, always generate new_tokens
+    engine.decode = lambda ids: ""  # measure the model, not detokenisation
+    started = time.time()
+    engine.warm_up()
+    compile_seconds = time.time() - started
+    rng = np.random.default_rng(1)
+
+    def rows():
+        return [serve.Generation([2] + rng.integers(3, 1000, prompt_length - 1).tolist(), args.new_tokens,
+                                 serve.SAMPLER_DEFAULTS["greedy"], 0, [], None) for _ in range(batch_size)]
+    engine.generate(rows(), batch_size, total)
+    started = time.time()
+    done = engine.generate(rows(), batch_size, total)
+    seconds = time.time() - started
+    assert all(len(g.ids) == args.new_tokens for g in done)
+    return batch_size * args.new_tokens / seconds, compile_seconds
+
+
+def time_keras_hub_generate(model, args, batch_size):
+    import numpy as np
+    total = 32 + args.new_tokens
+    inputs = {"token_ids": np.zeros((batch_size, total), np.int32), "padding_mask": np.zeros((batch_size, total), bool)}
+    inputs["token_ids"][:, :32] = np.random.default_rng(2).integers(3, 1000, (batch_size, 32))
+    inputs["padding_mask"][:, :32] = True
+    model.generate(inputs, stop_token_ids=None)  # compile
+    started = time.time()
+    model.generate(inputs, stop_token_ids=None)
+    return batch_size * args.new_tokens / (time.time() - started)
+
+
+def peak_memory_gib():
+    import jax
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use", 0) / 2**30
+
+
+def main():
+    args = parse_args()
+    import jax
+    try:
+        import tensorflow as tf
+        tf.config.set_visible_devices([], "GPU")
+    except Exception:
+        pass
+    device = jax.devices()[0]
+    print(f"device: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}", flush=True)
+    started = time.time()
+    model = build_model(args.config)
+    print(f"model: {args.config}, {model.backbone.count_params() / 1e9:.2f}B parameters, bfloat16, LoRA rank 16 "
+          f"({sum(math.prod(v.shape) for v in model.trainable_variables) / 1e6:.2f}M trainable), built in "
+          f"{time.time() - started:.0f}s", flush=True)
+
+    ms, compile_s, loss = time_training(model, args)
+    flops = train_flops_per_step(model, args.batch_size, args.sequence_length)
+    mfu = flops / (ms / 1000) / (args.peak_tflops * 1e12)
+    print(f"train: {ms:.1f} ms/step at batch {args.batch_size} x {args.sequence_length} (compile {compile_s:.0f}s), "
+          f"{args.batch_size * args.sequence_length / ms * 1000:,.0f} tok/s, {flops / 1e12:.1f} TFLOP/step, "
+          f"MFU {mfu * 100:.1f}% of {args.peak_tflops:.0f} TFLOP/s, loss {loss:.2f}, "
+          f"target <= 60 ms: {'met' if ms <= 60 else 'NOT met'}", flush=True)
+    train_peak = peak_memory_gib()
+    for batch_size in (1, 8):
+        tps, compile_s = time_generation(model, args, batch_size)
+        reference = time_keras_hub_generate(model, args, batch_size)
+        print(f"generate: batch {batch_size}: {tps:,.0f} tok/s with serve.py's engine (compile {compile_s:.0f}s); "
+              f"keras-hub generate(): {reference:,.0f} tok/s ({args.new_tokens} new tokens after a 32-token prompt)",
+              flush=True)
+    print(f"memory: peak {peak_memory_gib():.1f} GiB on device (after training: {train_peak:.1f} GiB)")
+
+
+if __name__ == "__main__":
+    main()
