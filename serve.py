@@ -245,11 +245,19 @@ class Engine:
             with keras.StatelessScope(state_mapping=list(zip(self.variables, values))):
                 return fn()
 
-        def prefill(values, token_ids):
+        def build_cache(token_ids):
+            if build_cache_takes_extras:  # Gemma 3: (token_ids, img_embeddings, vision_mask, padding_mask, …)
+                return model._build_cache(token_ids, None, None, None, None)[1]
+            return model._build_cache(token_ids)[1]
+
+        def prefill(values, token_ids, total_length):
+            """The cache for `total_length` positions, filled from a prompt block that may be shorter:
+            padding past the longest prompt is never computed."""
             def run():
-                if build_cache_takes_extras:  # Gemma 3: (token_ids, img_embeddings, vision_mask, padding_mask, …)
-                    return model._build_cache(token_ids, None, None, None, None)[1]
-                return model._build_cache(token_ids)[1]
+                batch = token_ids.shape[0]
+                shapes = jax.eval_shape(build_cache, jax.ShapeDtypeStruct((batch, total_length), jnp.int32))
+                empty = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+                return model.call_with_cache(token_ids, empty, 0)[2]
             return stateless(values, run)
 
         def decode_step(values, cache, current, index, prompts, prompt_lengths, temperature, top_k, top_p, seeds):
@@ -257,7 +265,9 @@ class Engine:
             own token while a row is still reading its prompt, else the sample."""
             logits, _, cache = stateless(values, lambda: model.call_with_cache(current[:, None], cache, index))
             logits = logits[:, 0, :].astype(jnp.float32)
-            top_logits, top_ids = jax.lax.top_k(logits, candidates)
+            # The barrier keeps top_k's outputs from being fused into their users; otherwise XLA's CPU
+            # backend lowers top_k to a full sort of the vocabulary, several times the model's own cost.
+            top_logits, top_ids = jax.lax.optimization_barrier(jax.lax.top_k(logits, candidates))
             scaled = top_logits / jnp.maximum(temperature, 1e-6)[:, None]
             keep = jnp.arange(candidates)[None, :] < top_k[:, None]
             probs = jax.nn.softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
@@ -269,7 +279,7 @@ class Engine:
             following = jax.lax.dynamic_index_in_dim(prompts, index + 1, axis=1, keepdims=False)
             return sampled, jnp.where(index + 1 < prompt_lengths, following, sampled), cache
 
-        self._prefill = jax.jit(prefill)
+        self._prefill = jax.jit(prefill, static_argnums=(2,))
         self._decode = jax.jit(decode_step, donate_argnums=(1,))
 
     def put(self, array):
@@ -280,13 +290,17 @@ class Engine:
         return jax.device_put(array, self.distribution.get_data_layout(array.shape).backend_layout)
 
     def warm_up(self):
-        """Compiles and runs every (batch, length) program once, so requests never compile."""
+        """Compiles and runs every program once (prefill for each prompt block that fits, decode), so
+        requests never compile."""
         import numpy as np
         for batch in self.batch_buckets:
             for length in self.length_buckets:
                 started = time.time()
                 rows = [Generation([self.bos], 1, SAMPLER_DEFAULTS["greedy"], 0, [], None)] * batch
                 self.generate(rows, batch, length)
+                for block in self.length_buckets:
+                    if block <= length:
+                        self._prefill(self.values, self.put(np.zeros((batch, block), np.int32)), length)
                 log(f"warm-up: compiled prefill + decode for batch {batch} x length {length} "
                     f"in {time.time() - started:.1f}s")
 
@@ -312,7 +326,8 @@ class Engine:
         live = list(range(len(rows)))
         prompts = self.put(tokens)
         per_batch = [self.put(a) for a in (prompt_lengths, temperature, top_k, top_p, seeds)]
-        cache = self._prefill(self.values, prompts)
+        block = next(b for b in self.length_buckets if b >= prompt_lengths.max())
+        cache = self._prefill(self.values, self.put(tokens[:, :block]), length)
         index = int(prompt_lengths[: len(rows)].min()) - 1
         current = self.put(tokens[:, index].copy())
         while live and index < length - 1:
