@@ -31,6 +31,7 @@ ARTICLE_TEMPLATE = {"prompt": "Instruction:\n{instruction}\n\nResponse:\n",
                     "prompt_with_context": "Instruction:\n{instruction}\n\nContext:\n{context}\n\nResponse:\n"}
 # Sampling looks at this many most-likely tokens: top_k is capped here and top_p is computed over them.
 CANDIDATES = 128
+DECODE_CHUNK = 4  # tokens decoded per dispatch to the device
 SAMPLER_DEFAULTS = {  # keras-hub's samplers' defaults: the article's "top_k" is TopKSampler(k=5)
     "greedy": {"temperature": 0.0, "top_k": CANDIDATES, "top_p": 1.0},
     "top_k": {"temperature": 1.0, "top_k": 5, "top_p": 1.0},
@@ -279,8 +280,17 @@ class Engine:
             following = jax.lax.dynamic_index_in_dim(prompts, index + 1, axis=1, keepdims=False)
             return sampled, jnp.where(index + 1 < prompt_lengths, following, sampled), cache
 
+        def decode_chunk(values, cache, current, index, *per_batch):
+            """DECODE_CHUNK steps per dispatch: the host pays its per-call cost once every few tokens."""
+            def step(carry, offset):
+                cache, current = carry
+                sampled, current, cache = decode_step(values, cache, current, index + offset, *per_batch)
+                return (cache, current), sampled
+            (cache, current), sampled = jax.lax.scan(step, (cache, current), jnp.arange(DECODE_CHUNK))
+            return sampled, current, cache
+
         self._prefill = jax.jit(prefill, static_argnums=(2,))
-        self._decode = jax.jit(decode_step, donate_argnums=(1,))
+        self._decode = jax.jit(decode_chunk, donate_argnums=(1,))
 
     def put(self, array):
         """Onto the device(s) once, split along the batch axis when data-parallel."""
@@ -331,14 +341,15 @@ class Engine:
         index = int(prompt_lengths[: len(rows)].min()) - 1
         current = self.put(tokens[:, index].copy())
         while live and index < length - 1:
-            sampled, current, cache = self._decode(self.values, cache, current, np.int32(index), prompts,
-                                                   *per_batch)
-            sampled = np.asarray(sampled)
-            index += 1
-            for r in list(live):
-                # Rows whose prompt is longer than the shortest one are still reading their prompt here.
-                if index >= prompt_lengths[r] and rows[r].accept(int(sampled[r]), self):
-                    live.remove(r)
+            chunk, current, cache = self._decode(self.values, cache, current, np.int32(index), prompts, *per_batch)
+            for sampled in np.asarray(chunk):  # past the cache's end a chunk's steps are discarded here
+                index += 1
+                if not live or index > length - 1:
+                    break
+                for r in list(live):
+                    # Rows whose prompt is longer than the shortest one are still reading their prompt here.
+                    if index >= prompt_lengths[r] and rows[r].accept(int(sampled[r]), self):
+                        live.remove(r)
         for r in live:
             rows[r].finish("length")
         return rows

@@ -339,11 +339,6 @@ def keep_tensorflow_off_accelerators():
         pass
 
 
-def backbone_class(preset):
-    from keras_hub.src.utils.preset_utils import get_preset_loader
-    return get_preset_loader(preset).check_backbone_class()
-
-
 def setup_distribution(args, preset):
     """Sets the global keras distribution before any variable exists. Returns (mode, distribution)."""
     import keras
@@ -361,7 +356,7 @@ def setup_distribution(args, preset):
         mesh = keras.distribution.DeviceMesh(shape=(batch_axis, model_axis), axis_names=("batch", "model"),
                                              devices=devices)
         distribution = keras.distribution.ModelParallel(
-            layout_map=layout_map_for(backbone_class(preset), preset, mesh, model_axis),
+            layout_map=layout_map_for(preset, mesh, model_axis),
             batch_dim_name="batch")
     if args.batch_size % batch_axis:
         raise UserError(f"--batch-size {args.batch_size} does not divide over the {batch_axis} devices of the "
@@ -384,17 +379,14 @@ def parse_mesh(spec, n_devices):
     return batch_axis, model_axis
 
 
-def layout_map_for(cls, preset, mesh, model_axis):
-    """The family's layout map, with K/V replicated when there are fewer KV heads than model shards.
-
-    gemma_2b has a single KV head, which keras-hub's map would shard across the model axis and fail
-    (keras-hub #1613).
-    """
+def layout_map_for(preset, mesh, model_axis):
+    """The family's layout map, K/V replicated when there are fewer KV heads than model shards (keras-hub #1613)."""
     from keras_hub.models import GemmaBackbone
-    get_layout_map = getattr(cls, "get_layout_map", GemmaBackbone.get_layout_map)
-    layout_map = get_layout_map(mesh, model_parallel_dim_name="model", data_parallel_dim_name="batch")
     from keras_hub.src.utils.preset_utils import get_preset_loader
     loader = get_preset_loader(preset)
+    cls = loader.check_backbone_class()
+    layout_map = getattr(cls, "get_layout_map", GemmaBackbone.get_layout_map)(
+        mesh, model_parallel_dim_name="model", data_parallel_dim_name="batch")
     config = getattr(loader, "config", {}) or {}
     config = config.get("config", config)
     kv_heads = config.get("num_key_value_heads") or config.get("num_kv_heads") or 1

@@ -192,3 +192,12 @@ def test_download_is_atomic_and_reused(tmp_path, monkeypatch):
     finally:
         httpd.shutdown()
     assert train_local.fetch(url) == path  # server is gone: the cached file is reused
+
+
+def test_tiny_gemma_has_gemmas_layout_and_special_tokens(tiny_model):
+    config = json.loads((tiny_model / "config.json").read_text())
+    assert config["model_type"] == "gemma" and (tiny_model / "model.safetensors").is_file()
+    sp = spm.SentencePieceProcessor(model_file=str(tiny_model / "tokenizer.model"))
+    assert [sp.id_to_piece(i) for i in range(4)] == ["<pad>", "<eos>", "<bos>", "<unk>"]
+    text = "Instruction:\nÜber 日本 🎂\n\n  two spaces\n\nResponse:\n"
+    assert sp.decode(sp.encode(text)) == text  # newlines, spaces and unseen characters (byte fallback) survive

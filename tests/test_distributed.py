@@ -55,7 +55,7 @@ def test_kv_heads_stay_replicated_when_fewer_than_model_shards(tiny_model):
     import keras
     mesh = keras.distribution.DeviceMesh(shape=(2, 2), axis_names=("batch", "model"),
                                          devices=np.array([f"cpu:{i}" for i in range(4)]))
-    layout = train_local.layout_map_for(train_local.backbone_class(str(tiny_model)), str(tiny_model), mesh, 2)
+    layout = train_local.layout_map_for(str(tiny_model), mesh, 2)
     assert layout["decoder_block_0/attention/key/kernel"].axes[0] is None  # tiny model: one KV head
     assert layout["decoder_block_0/attention/value/kernel"].axes[0] is None
     assert layout["decoder_block_0/attention/query/kernel"].axes[0] == "model"

@@ -257,3 +257,13 @@ def test_graceful_shutdown_finishes_in_flight_requests(trained_model, start_serv
     assert rest.rstrip().endswith("data: [DONE]")
     assert server.process.wait(60) == 0
     assert "shutting down" in server.output() and "stopped" in server.output()
+
+
+def test_help_describes_every_flag():
+    out = subprocess.run([sys.executable, str(REPO / "serve.py"), "--help"], capture_output=True, text=True,
+                         env=script_env()).stdout
+    for flag in ["--model", "--host", "--port", "--max-batch-size", "--max-queue", "--max-tokens-limit",
+                 "--max-body-bytes", "--api-key", "--sampler", "--seed", "--compile-cache", "--length-buckets",
+                 "--batch-window-ms", "--shutdown-timeout", "--distribution", "--mesh"]:
+        assert flag in out, flag
+    assert "gemma-2b-dolly-lora" in out and "0.0.0.0" in out and "8080" in out

@@ -206,3 +206,18 @@ def test_load_errors_explain_what_to_do():
                                              OSError("Max retries exceeded with url (Name or service not known)"))
     assert "--model path/to/model" in offline
     assert "--batch-size" in train_local.explain_oom(train_local.parse_args([]))
+
+
+def test_seed_makes_runs_reproducible_and_dtype_is_honoured(tmp_path, tiny_model, run_train):
+    common = ["--model", tiny_model, "--data", SAMPLE_DATA, "--limit", 24, "--eval-examples", 0,
+              "--learning-rate", 1e-3]
+    histories = {}
+    for name, extra in [("a", ["--seed", 1]), ("b", ["--seed", 1]), ("c", ["--seed", 2]),
+                        ("bf16", ["--seed", 1, "--dtype", "bfloat16"])]:
+        run_train(*common, *extra, "--output", tmp_path / name, check=True)
+        histories[name] = [h["loss"] for h in json.loads((tmp_path / name / "training.json").read_text())["history"]]
+    assert histories["a"] == histories["b"]
+    assert histories["a"] != histories["c"]
+    assert histories["bf16"] != histories["a"] and histories["bf16"][0] == pytest.approx(histories["a"][0], rel=0.05)
+    import keras_hub
+    assert keras_hub.models.CausalLM.from_preset(str(tmp_path / "bf16")).backbone.dtype_policy.name == "bfloat16"
