@@ -43,7 +43,7 @@ grep -E "warm-up|ready" "$DEMO_DIR/serve.log" || true
 
 say "4/4 Asking it: the article's curl, then instruction mode"
 ask() {
-  printf '$ curl -s -X POST http://127.0.0.1:%s/ -H "Content-Type: application/json" -d %q\n' "$DEMO_PORT" "$1"
+  printf "$ curl -s -X POST http://127.0.0.1:%s/ -H 'Content-Type: application/json' -d '%s'\n" "$DEMO_PORT" "$1"
   curl -s -X POST "http://127.0.0.1:$DEMO_PORT/" -H "Content-Type: application/json" -d "$1"
   printf '\n\n'
 }
