@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import queue
+import random
 import signal
 import sys
 import threading
@@ -472,7 +473,7 @@ class Server:
         self.model_name = Path(args.model.rstrip("/")).name or args.model
         self.in_flight = 0
         self.lock = threading.Lock()
-        self.rng_seed = args.seed
+        self.rng = random.Random(args.seed)  # seeds for requests that bring none
 
 
 def is_int(value):
@@ -773,9 +774,6 @@ def parse_sampling(body, sampler, server):
         raise RequestError(400, "'seed' must be an integer")
     if seed is None:
         with server.lock:
-            import random
-            if not hasattr(server, "rng"):
-                server.rng = random.Random(server.rng_seed)
             seed = server.rng.getrandbits(32)
     stop = body.get("stop") or []
     if isinstance(stop, str):

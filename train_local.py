@@ -105,12 +105,12 @@ class UserError(Exception):
     """A problem the user can fix: printed as one clear message, no traceback."""
 
 
+IS_MAIN_PROCESS = True  # only process 0 of a multi-host run prints and writes
+
+
 def log(*parts):
     if IS_MAIN_PROCESS:
         print(*parts, flush=True)
-
-
-IS_MAIN_PROCESS = True
 
 
 # ----------------------------------------------------------------------------- data

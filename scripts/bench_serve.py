@@ -163,7 +163,6 @@ def main():
               flush=True)
         rss = []
         if args.soak_seconds:
-            soak_end = time.time() + args.soak_seconds
             sampler_done = threading.Event()
 
             def sample():

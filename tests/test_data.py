@@ -1,5 +1,4 @@
 """Data loading, the prompt template, masking, truncation and bucketing in train_local.py."""
-import argparse
 import functools
 import http.server
 import json

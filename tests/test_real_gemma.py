@@ -5,7 +5,6 @@ care about on the model it leaves: the loss fell, and the tuned model answers he
 ends its answers itself instead of running to max_tokens.
 """
 import json
-import os
 import subprocess
 
 import numpy as np
