@@ -653,6 +653,11 @@ def memory_summary():
         return "peak memory unknown"
 
 
+def interrupt_on_sigterm(*_):
+    """A kill (or a pre-empted VM) then saves a checkpoint like Ctrl-C does."""
+    raise KeyboardInterrupt
+
+
 def main(argv=None):
     args = parse_args(argv)
     started = time.time()
@@ -687,7 +692,7 @@ def main(argv=None):
     schedule = plan_steps(buckets, args.batch_size, args.epochs, args.seed, train_examples)
     if args.max_steps:
         schedule = schedule[: args.max_steps]
-    used = sorted({length for length, _ in schedule} | ({b for b in buckets} if eval_examples else set()))
+    used = buckets if eval_examples else sorted({length for length, _ in schedule})  # eval visits every bucket
     log(f"data: {len(schedule)} steps of batch {args.batch_size} in buckets "
         + ", ".join(f"{b} ({sum(1 for l, _ in schedule if l == b)} steps)" for b in buckets))
 
@@ -706,7 +711,7 @@ def main(argv=None):
         eval_before = trainer.evaluate(eval_examples, buckets, args.batch_size, pad_id, np.random.default_rng(0))
         log(f"eval: loss before training {eval_before:.4f} on {len(eval_examples)} held-out examples")
 
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, interrupt_on_sigterm)
     step, padded_tokens, real_tokens, train_seconds = first_step, 0, 0, 0.0
     try:
         for step in range(first_step + 1, len(schedule) + 1):
