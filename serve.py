@@ -14,6 +14,7 @@ waits for XLA; concurrent requests are batched into one decode loop where each r
 stop token or max_tokens.
 """
 import argparse
+import collections
 import json
 import os
 import queue
@@ -222,7 +223,9 @@ def read_prompt_template(model_dir):
 
 
 class Engine:
-    """Owns the model: compiled prefill and decode programs per (batch, length) bucket."""
+    """Owns the model and its compiled programs. Every row of a decode batch keeps its own position,
+    so a request takes a free row as soon as one opens (continuous batching), starts right after its
+    own prompt, and never waits for its neighbours' prompts or max_tokens."""
 
     def __init__(self, model, batch_buckets, length_buckets, distribution, tokenizer=None):
         import inspect
@@ -231,6 +234,8 @@ class Engine:
         import keras
         self.model = model
         self.batch_buckets, self.length_buckets = batch_buckets, length_buckets
+        # Prompts are prefilled in the smallest of these blocks that holds them: prefill cost grows with the block.
+        self.prompt_blocks = sorted({16 << i for i in range(16) if 16 << i < length_buckets[-1]} | set(length_buckets))
         self.distribution = distribution
         tokenizer = tokenizer or model.preprocessor.tokenizer
         self.encode, self.decode = make_text_codec(tokenizer)
@@ -252,21 +257,41 @@ class Engine:
                 return model._build_cache(token_ids, None, None, None, None)[1]
             return model._build_cache(token_ids)[1]
 
-        def prefill(values, token_ids, total_length):
-            """The cache for `total_length` positions, filled from a prompt block that may be shorter:
-            padding past the longest prompt is never computed."""
-            def run():
-                batch = token_ids.shape[0]
-                shapes = jax.eval_shape(build_cache, jax.ShapeDtypeStruct((batch, total_length), jnp.int32))
-                empty = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-                return model.call_with_cache(token_ids, empty, 0)[2]
-            return stateless(values, run)
+        # The cache is a family-specific pytree (Gemma: one stacked array; Gemma 3: per-layer tuples).
+        # Which axis of each leaf is the position one is read off abstract shapes, so no layout is assumed.
+        def cache_shapes(batch, length):
+            return jax.eval_shape(build_cache, jax.ShapeDtypeStruct((batch, length), jnp.int32))
+        one, two, longer = cache_shapes(1, 8), cache_shapes(2, 8), cache_shapes(1, 16)
+        if any(a.shape[0] != 1 or b.shape[0] != 2 for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(two))):
+            raise ValueError(f"{type(model).__name__}'s cache is not batch-major; serve.py cannot batch it")
+        position_axes = jax.tree.map(lambda a, b: next(i for i, (m, n) in enumerate(zip(a.shape, b.shape)) if m != n),
+                                     one, longer)
 
-        def decode_step(values, cache, current, index, prompts, prompt_lengths, temperature, top_k, top_p, seeds):
-            """Feeds current[b] at `index`, samples what follows, and picks the next input: the prompt's
-            own token while a row is still reading its prompt, else the sample."""
-            logits, _, cache = stateless(values, lambda: model.call_with_cache(current[:, None], cache, index))
-            logits = logits[:, 0, :].astype(jnp.float32)
+        def prefill(values, token_ids):
+            """A prompt block's cache (one row, block positions); positions past the prompt hold padding
+            that decoding overwrites before any query can see it."""
+            return stateless(values, lambda: build_cache(token_ids))
+
+        def insert(cache, row_cache, slot):
+            """Writes a prefilled row into row `slot` of a batch's cache (a select, which splits cleanly
+            along a sharded batch axis)."""
+            def put(big, row, axis):
+                region = jax.lax.slice_in_dim(big, 0, row.shape[axis], axis=axis)
+                is_slot = (jnp.arange(big.shape[0]) == slot).reshape((-1,) + (1,) * (big.ndim - 1))
+                return jax.lax.dynamic_update_slice_in_dim(big, jnp.where(is_slot, row, region), 0, axis=axis)
+            return jax.tree.map(put, cache, row_cache, position_axes)
+
+        def forward(values, cache, tokens, positions):
+            """One token per row, each at its own position: keras-hub's cached call, vmapped over rows so
+            the write index and causal mask are per row."""
+            def one_row(row_cache, token, position):
+                row_cache = jax.tree.map(lambda c: c[None], row_cache)
+                logits, _, row_cache = model.call_with_cache(token[None, None], row_cache, position)
+                return logits[0, 0], jax.tree.map(lambda c: c[0], row_cache)
+            return stateless(values, lambda: jax.vmap(one_row)(cache, tokens, positions))
+
+        def sample(logits, positions, temperature, top_k, top_p, seeds):
+            logits = logits.astype(jnp.float32)
             # The barrier keeps top_k's outputs from being fused into their users; otherwise XLA's CPU
             # backend lowers top_k to a full sort of the vocabulary, several times the model's own cost.
             top_logits, top_ids = jax.lax.optimization_barrier(jax.lax.top_k(logits, candidates))
@@ -274,86 +299,157 @@ class Engine:
             keep = jnp.arange(candidates)[None, :] < top_k[:, None]
             probs = jax.nn.softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
             keep &= (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]
-            keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.PRNGKey(s), index))(seeds)
+            # Keyed by (seed, position): a seeded request samples the same tokens whatever it is batched with.
+            keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(seeds, positions)
             choice = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, scaled, -jnp.inf))
             sampled = jnp.take_along_axis(top_ids, choice[:, None], axis=-1)[:, 0]
-            sampled = jnp.where(temperature <= 0, top_ids[:, 0], sampled).astype(jnp.int32)
-            following = jax.lax.dynamic_index_in_dim(prompts, index + 1, axis=1, keepdims=False)
-            return sampled, jnp.where(index + 1 < prompt_lengths, following, sampled), cache
+            return jnp.where(temperature <= 0, top_ids[:, 0], sampled).astype(jnp.int32)
 
-        def decode_chunk(values, cache, current, index, *per_batch):
+        def decode_chunk(values, cache, tokens, positions, *sampling):
             """DECODE_CHUNK steps per dispatch: the host pays its per-call cost once every few tokens."""
+            last = jax.tree.leaves(cache)[0].shape[jax.tree.leaves(position_axes)[0]] - 1
+
             def step(carry, offset):
-                cache, current = carry
-                sampled, current, cache = decode_step(values, cache, current, index + offset, *per_batch)
-                return (cache, current), sampled
-            (cache, current), sampled = jax.lax.scan(step, (cache, current), jnp.arange(DECODE_CHUNK))
-            return sampled, current, cache
+                cache, tokens = carry
+                at = jnp.minimum(positions + offset, last)  # rows past their end are discarded on the host
+                logits, cache = forward(values, cache, tokens, at)
+                tokens = sample(logits, at, *sampling)
+                return (cache, tokens), tokens
+            (cache, _), sampled = jax.lax.scan(step, (cache, tokens), jnp.arange(DECODE_CHUNK))
+            return sampled, cache
 
-        self._prefill = jax.jit(prefill, static_argnums=(2,))
-        self._decode = jax.jit(decode_chunk, donate_argnums=(1,))
+        def programs(batch, length):
+            """(new cache, insert, decode) for one bucket. The cache's layout is pinned so that what one
+            program hands back is exactly what the next was compiled for."""
+            shapes = cache_shapes(batch, length)
+            layout = None if distribution is None else jax.tree.map(
+                lambda s: distribution.get_data_layout(s.shape).backend_layout, shapes)
+            new_cache = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
+                                out_shardings=layout)
+            return (new_cache, jax.jit(insert, donate_argnums=(0,), out_shardings=layout),
+                    jax.jit(decode_chunk, donate_argnums=(1,), out_shardings=(None, layout)))
 
-    def put(self, array):
-        """Onto the device(s) once, split along the batch axis when data-parallel."""
+        self.programs = {(b, l): programs(b, l) for b in batch_buckets for l in length_buckets}
+        self._prefill = jax.jit(prefill)
+
+    def put(self, array, replicated=False):
+        """Onto the device(s), split along the batch axis when data-parallel (or copied to all)."""
         import jax
         if self.distribution is None:
             return jax.device_put(array)
+        if replicated:
+            mesh = self.distribution.device_mesh.backend_mesh
+            return jax.device_put(array, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
         return jax.device_put(array, self.distribution.get_data_layout(array.shape).backend_layout)
 
-    def warm_up(self):
-        """Compiles and runs every program once (prefill for each prompt block that fits, decode), so
-        requests never compile."""
-        import numpy as np
-        for batch in self.batch_buckets:
-            for length in self.length_buckets:
-                started = time.time()
-                rows = [Generation([self.bos], 1, SAMPLER_DEFAULTS["greedy"], 0, [], None)] * batch
-                self.generate(rows, batch, length)
-                for block in self.length_buckets:
-                    if block <= length:
-                        self._prefill(self.values, self.put(np.zeros((batch, block), np.int32)), length)
-                log(f"warm-up: compiled prefill + decode for batch {batch} x length {length} "
-                    f"in {time.time() - started:.1f}s")
+    def block_for(self, prompt_length):
+        return next(b for b in self.prompt_blocks if b >= prompt_length)
 
     def bucket_for(self, n_rows, total_length):
         batch = next(b for b in self.batch_buckets if b >= n_rows)
         length = next(l for l in self.length_buckets if l >= total_length)
         return batch, length
 
+    def warm_up(self):
+        """Compiles every program once (each bucket's decode and insert, each prompt block's prefill), so
+        requests never compile."""
+        for batch in self.batch_buckets:
+            for length in self.length_buckets:
+                started = time.time()
+                rows = [Generation([self.bos] * block, 1, SAMPLER_DEFAULTS["greedy"], 0, [], None)
+                        for block in self.prompt_blocks if block < length]
+                self.generate(rows, batch, length)
+                log(f"warm-up: compiled decode for batch {batch} x length {length}, prefill + insert for "
+                    f"prompt blocks {','.join(str(b) for b in self.prompt_blocks if b < length)} "
+                    f"in {time.time() - started:.1f}s")
+
     def generate(self, rows, batch, length):
-        """Decodes `rows` (Generation objects) together; each ends at its own stop token or max_tokens."""
-        import numpy as np
-        tokens = np.full((batch, length), self.pad, np.int32)
-        prompt_lengths = np.ones(batch, np.int32)
-        temperature = np.zeros(batch, np.float32)
-        top_k = np.ones(batch, np.int32)
-        top_p = np.ones(batch, np.float32)
-        seeds = np.zeros(batch, np.uint32)
-        for r, row in enumerate(rows):
-            tokens[r, : len(row.prompt_ids)] = row.prompt_ids
-            prompt_lengths[r] = len(row.prompt_ids)
-            temperature[r], top_k[r], top_p[r] = row.sampling["temperature"], row.sampling["top_k"], row.sampling["top_p"]
-            seeds[r] = row.seed
-        live = list(range(len(rows)))
-        prompts = self.put(tokens)
-        per_batch = [self.put(a) for a in (prompt_lengths, temperature, top_k, top_p, seeds)]
-        block = next(b for b in self.length_buckets if b >= prompt_lengths.max())
-        cache = self._prefill(self.values, self.put(tokens[:, :block]), length)
-        index = int(prompt_lengths[: len(rows)].min()) - 1
-        current = self.put(tokens[:, index].copy())
-        while live and index < length - 1:
-            chunk, current, cache = self._decode(self.values, cache, current, np.int32(index), prompts, *per_batch)
-            for sampled in np.asarray(chunk):  # past the cache's end a chunk's steps are discarded here
-                index += 1
-                if not live or index > length - 1:
-                    break
-                for r in list(live):
-                    # Rows whose prompt is longer than the shortest one are still reading their prompt here.
-                    if index >= prompt_lengths[r] and rows[r].accept(int(sampled[r]), self):
-                        live.remove(r)
-        for r in live:
-            rows[r].finish("length")
+        """Decodes `rows` (Generation objects) in one batch of `batch` rows, taking each in as a row frees."""
+        decoding = DecodeBatch(self, batch, length)
+        waiting = list(rows)
+        while waiting or decoding.active:
+            while waiting and decoding.free_rows:
+                decoding.admit(waiting.pop(0))
+            decoding.step()
         return rows
+
+
+class DecodeBatch:
+    """`size` rows over one cache of `length` positions. Each row holds one generation at its own
+    position; a row frees up the moment its generation ends and can take the next one."""
+
+    def __init__(self, engine, size, length):
+        import numpy as np
+        self.engine, self.size, self.length = engine, size, length
+        self.new_cache, self.insert, self.decode = engine.programs[(size, length)]
+        self.cache = self.new_cache()
+        self.rows = [None] * size
+        self.positions = np.zeros(size, np.int32)  # where each row's next input token goes
+        self.tokens = np.full(size, engine.pad, np.int32)
+        greedy = SAMPLER_DEFAULTS["greedy"]
+        self.temperature = np.full(size, greedy["temperature"], np.float32)
+        self.top_k = np.full(size, greedy["top_k"], np.int32)
+        self.top_p = np.full(size, greedy["top_p"], np.float32)
+        self.seeds = np.zeros(size, np.uint32)
+        self.sampling = None  # the arrays above on the device; re-sent when a row changes hands
+
+    @property
+    def free_rows(self):
+        return self.rows.count(None)
+
+    @property
+    def active(self):
+        return self.size - self.free_rows
+
+    def fits(self, generation):
+        return len(generation.prompt_ids) + generation.max_tokens <= self.length
+
+    def admit(self, generation):
+        """Prefills the prompt into a free row; the row's first decode step re-reads its last prompt token."""
+        import numpy as np
+        engine, ids = self.engine, generation.prompt_ids
+        row = self.rows.index(None)
+        self.rows[row] = generation
+        generation.started = time.time()
+        tokens = np.full((1, engine.block_for(len(ids))), engine.pad, np.int32)
+        tokens[0, :len(ids)] = ids
+        row_cache = engine._prefill(engine.values, engine.put(tokens, replicated=True))
+        self.cache = self.insert(self.cache, row_cache, np.int32(row))
+        self.positions[row], self.tokens[row] = len(ids) - 1, ids[-1]
+        sampling = generation.sampling
+        self.temperature[row], self.top_k[row], self.top_p[row] = (sampling["temperature"], sampling["top_k"],
+                                                                   sampling["top_p"])
+        self.seeds[row] = generation.seed
+        self.sampling = None
+
+    def step(self):
+        """Decodes DECODE_CHUNK tokens in every row and hands each generation its own."""
+        import numpy as np
+        engine = self.engine
+        if self.sampling is None:
+            self.sampling = [engine.put(a) for a in (self.temperature, self.top_k, self.top_p, self.seeds)]
+        sampled, self.cache = self.decode(engine.values, self.cache, engine.put(self.tokens),
+                                          engine.put(self.positions), *self.sampling)
+        sampled = np.asarray(sampled)
+        for row, generation in enumerate(self.rows):
+            if generation is None:
+                continue
+            for offset in range(DECODE_CHUNK):
+                if self.positions[row] + offset >= self.length - 1:  # the cache is full (fits() prevents it)
+                    generation.finish("length")
+                    break
+                if generation.accept(int(sampled[offset, row]), engine):
+                    break
+            if generation.finish_reason is not None:
+                self.rows[row] = None
+        self.positions += DECODE_CHUNK
+        self.tokens = sampled[-1].copy()
+
+    def fail(self, reason):
+        for row, generation in enumerate(self.rows):
+            if generation is not None and generation.finish_reason is None:
+                generation.finish(reason)
+            self.rows[row] = None
 
 
 class Generation:
@@ -406,51 +502,83 @@ class QueueFull(Exception):
 
 
 class Worker:
-    """One thread owns the model; requests queue here and are decoded in batches."""
+    """One thread owns the model. Requests queue here and are decoded in a batch whose rows they take
+    as rows free up. A batch keeps its (size, length) bucket while it runs; when a waiting request
+    needs a longer one, or more rows than the largest size allows, the batch stops taking requests,
+    finishes what it holds, and the next one is sized for what waits."""
 
     def __init__(self, engine, max_batch_size, window_seconds, max_queue):
         self.engine, self.max_batch_size, self.window = engine, max_batch_size, window_seconds
-        self.queue = queue.Queue()
+        self.queue = queue.Queue()  # from the HTTP threads
+        self.waiting = collections.deque()  # the worker's own, in arrival order
         self.max_queue = max_queue
         self.busy = 0
-        METRICS.queue_depth = self.queue.qsize
+        METRICS.queue_depth = self.depth
+
+    def depth(self):
+        return self.queue.qsize() + len(self.waiting)
 
     def submit(self, generations):
-        if self.queue.qsize() + len(generations) > self.max_queue:
+        if self.depth() + len(generations) > self.max_queue:
             raise QueueFull()
         for g in generations:
             self.queue.put(g)
 
     def idle(self):
-        return self.queue.empty() and not self.busy
+        return not self.depth() and not self.busy
+
+    def collect(self):
+        """Moves what has queued meanwhile to `waiting`."""
+        while True:
+            try:
+                self.waiting.append(self.queue.get_nowait())
+            except queue.Empty:
+                return
 
     def run(self):
         while True:
-            batch = [self.queue.get()]
+            if not self.waiting:
+                self.waiting.append(self.queue.get())
+                # A short window lets a burst of requests start together in a batch of the right size.
+                deadline = time.time() + self.window
+                while len(self.waiting) < self.max_batch_size and time.time() < deadline:
+                    try:
+                        self.waiting.append(self.queue.get(timeout=max(0.0, deadline - time.time())))
+                    except queue.Empty:
+                        break
             self.busy = 1
-            deadline = time.time() + self.window
-            while len(batch) < self.max_batch_size:
-                try:
-                    batch.append(self.queue.get(timeout=max(0.0, deadline - time.time())))
-                except queue.Empty:
-                    break
+            first = list(self.waiting)[:self.max_batch_size]
+            size, length = self.engine.bucket_for(len(first), max(len(g.prompt_ids) + g.max_tokens for g in first))
+            decoding = None
             try:
-                self.decode(batch)
+                decoding = DecodeBatch(self.engine, size, length)
+                self.decode(decoding)
             except Exception as e:  # never let one bad batch kill the worker
-                log(f"error: batch of {len(batch)} failed: {type(e).__name__}: {e}")
-                for g in batch:
-                    if not g.done.is_set():
+                log(f"error: batch of {size} x {length} failed: {type(e).__name__}: {e}")
+                if decoding is not None:
+                    decoding.fail("error")
+                else:  # the batch could not even be set up: fail those it was for, not the whole line
+                    for g in first:
+                        self.waiting.remove(g)
                         g.finish("error")
             finally:
                 self.busy = 0
 
-    def decode(self, batch):
-        now = time.time()
-        for g in batch:
-            g.started = now
-        size, length = self.engine.bucket_for(len(batch), max(len(g.prompt_ids) + g.max_tokens for g in batch))
-        METRICS.observe_batch(len(batch))
-        self.engine.generate(batch, size, length)
+    def decode(self, decoding):
+        taking = True
+        while True:
+            self.collect()
+            while taking and self.waiting and decoding.free_rows:
+                if not decoding.fits(self.waiting[0]):
+                    taking = False  # first in line needs a longer batch: let this one drain
+                    break
+                decoding.admit(self.waiting.popleft())
+            if taking and self.waiting and decoding.size < self.engine.batch_buckets[-1]:
+                taking = False  # more waiting than rows: let this batch drain and start a larger one
+            if not decoding.active:
+                return
+            METRICS.observe_batch(decoding.active)
+            decoding.step()
 
 
 # ----------------------------------------------------------------------------- HTTP

@@ -3,13 +3,14 @@
 XLA_FLAGS=--xla_force_host_platform_device_count=4 must be set before JAX starts, so every run here is
 a subprocess; the results are compared with a single-device run from the same seed.
 """
+import concurrent.futures
 import json
 
 import numpy as np
 import pytest
 
 import train_local
-from conftest import SAMPLE_DATA, script_env
+from conftest import SAMPLE_DATA, http, script_env
 
 FOUR_DEVICES = script_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")
 
@@ -73,7 +74,6 @@ PROMPTS = ["Instruction:\nWhat is 2 plus 2?\n\nResponse:\n", "Instruction:\nName
 
 
 def completions(server):
-    from conftest import http
     out = []
     for prompt in PROMPTS:
         for body in ({"prompt": prompt, "max_tokens": 12, "temperature": 0},
@@ -92,6 +92,13 @@ def test_serving_on_a_mesh_answers_like_one_device(runs, start_server):
     one.stop()
     for extra in (["--distribution", "model", "--mesh", "2,2"], ["--distribution", "data"]):
         server = start_server(model_dir, *flags, *extra, env=FOUR_DEVICES)
+        compiled = server.metric("serve_compilations_total")
         assert completions(server) == expected, extra
+        # Concurrent requests share a batch, joining and leaving its rows, still without compiling.
+        greedy = [{"prompt": p, "max_tokens": n, "temperature": 0} for p in PROMPTS for n in (3, 12)]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda body: http("POST", server.url + "/", body)[1]["completion"], greedy))
+        assert answers[1::2] == expected[0::2], extra
+        assert server.metric("serve_compilations_total") == compiled, extra
         assert "distribution:" in server.output()
         server.stop()
