@@ -356,12 +356,13 @@ class Engine:
         for batch in self.batch_buckets:
             for length in self.length_buckets:
                 started = time.time()
-                rows = [Generation([self.bos] * block, 1, SAMPLER_DEFAULTS["greedy"], 0, [], None)
-                        for block in self.prompt_blocks if block < length]
+                # A prompt of length-1 tokens (room for one new token) is prefilled in a block of `length`.
+                blocks = [b for b in self.prompt_blocks if b <= length]
+                rows = [Generation([self.bos] * min(block, length - 1), 1, SAMPLER_DEFAULTS["greedy"], 0, [], None)
+                        for block in blocks]
                 self.generate(rows, batch, length)
                 log(f"warm-up: compiled decode for batch {batch} x length {length}, prefill + insert for "
-                    f"prompt blocks {','.join(str(b) for b in self.prompt_blocks if b < length)} "
-                    f"in {time.time() - started:.1f}s")
+                    f"prompt blocks {','.join(str(b) for b in blocks)} in {time.time() - started:.1f}s")
 
     def generate(self, rows, batch, length):
         """Decodes `rows` (Generation objects) in one batch of `batch` rows, taking each in as a row frees."""

@@ -182,6 +182,10 @@ def test_no_compilation_after_warm_up(server):
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         list(pool.map(lambda b: post(server, b), requests * 3))
     post(server, {"prompt": "s", "max_tokens": 6, "stream": True}, path="/v1/completions")
+    # A prompt that only fits the largest bucket is prefilled in a block as long as the bucket.
+    per_copy = post(server, {"prompt": ARTICLE_PROMPT, "max_tokens": 1})[1]["prompt_tokens"]
+    status, answer, _ = post(server, {"prompt": ARTICLE_PROMPT * (290 // per_copy), "max_tokens": 1})
+    assert status == 200 and 256 < answer["prompt_tokens"] < 320
     assert server.metric("serve_compilations_total") == before
     _, metrics, _ = http("GET", server.url + "/metrics")
     assert 'serve_requests_total{path="/",status="200"}' in metrics
