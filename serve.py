@@ -9,9 +9,10 @@ deliberate change: max_tokens counts new tokens, not prompt + new tokens. Also s
 instruction mode (POST / {"instruction", "context"?} with the template train_local.py recorded),
 OpenAI-compatible POST /v1/completions (streaming too) and GET /v1/models, GET /health, GET /metrics.
 
-Every program is compiled at start-up, one per (batch bucket, length bucket), so no request ever
-waits for XLA; concurrent requests are batched into one decode loop where each row stops at its own
-stop token or max_tokens.
+Every program is compiled at start-up (per batch bucket: decode over each attention window of
+--length-buckets, and an insert per prompt block), so no request ever waits for XLA. Concurrent
+requests share one decode loop (continuous batching): each row has its own position, takes a new
+request the moment it frees, and stops at its own stop token or max_tokens.
 """
 import argparse
 import collections
@@ -233,7 +234,10 @@ class Engine:
         import jax.numpy as jnp
         import keras
         self.model = model
+        # Every batch's cache holds the longest request; each decode step attends over the smallest of
+        # the length buckets that holds every row's position.
         self.batch_buckets, self.length_buckets = batch_buckets, length_buckets
+        self.max_length = length_buckets[-1]
         # Prompts are prefilled in the smallest of these blocks that holds them: prefill cost grows with the block.
         self.prompt_blocks = sorted({16 << i for i in range(16) if 16 << i < length_buckets[-1]} | set(length_buckets))
         self.distribution = distribution
@@ -305,31 +309,35 @@ class Engine:
             sampled = jnp.take_along_axis(top_ids, choice[:, None], axis=-1)[:, 0]
             return jnp.where(temperature <= 0, top_ids[:, 0], sampled).astype(jnp.int32)
 
-        def decode_chunk(values, cache, tokens, positions, *sampling):
-            """DECODE_CHUNK steps per dispatch: the host pays its per-call cost once every few tokens."""
-            last = jax.tree.leaves(cache)[0].shape[jax.tree.leaves(position_axes)[0]] - 1
+        def decode_chunk(values, cache, window, tokens, positions, *sampling):
+            """DECODE_CHUNK steps per dispatch (the host pays its per-call cost once every few tokens),
+            attending over only the first `window` positions: attention and cache traffic grow with the
+            window, and no row in the batch has got further than it yet."""
+            view = jax.tree.map(lambda c, axis: jax.lax.slice_in_dim(c, 0, window, axis=axis), cache, position_axes)
 
             def step(carry, offset):
-                cache, tokens = carry
-                at = jnp.minimum(positions + offset, last)  # rows past their end are discarded on the host
-                logits, cache = forward(values, cache, tokens, at)
+                view, tokens = carry
+                at = jnp.minimum(positions + offset, window - 1)  # only idle rows get this far
+                logits, view = forward(values, view, tokens, at)
                 tokens = sample(logits, at, *sampling)
-                return (cache, tokens), tokens
-            (cache, _), sampled = jax.lax.scan(step, (cache, tokens), jnp.arange(DECODE_CHUNK))
+                return (view, tokens), tokens
+            (view, _), sampled = jax.lax.scan(step, (view, tokens), jnp.arange(DECODE_CHUNK))
+            cache = jax.tree.map(lambda c, v, axis: jax.lax.dynamic_update_slice_in_dim(c, v, 0, axis=axis),
+                                 cache, view, position_axes)
             return sampled, cache
 
-        def programs(batch, length):
-            """(new cache, insert, decode) for one bucket. The cache's layout is pinned so that what one
-            program hands back is exactly what the next was compiled for."""
-            shapes = cache_shapes(batch, length)
+        def programs(batch):
+            """(new cache, insert, decode) for one batch size. The cache's layout is pinned so that what
+            one program hands back is exactly what the next was compiled for."""
+            shapes = cache_shapes(batch, self.max_length)
             layout = None if distribution is None else jax.tree.map(
                 lambda s: distribution.get_data_layout(s.shape).backend_layout, shapes)
             new_cache = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
                                 out_shardings=layout)
             return (new_cache, jax.jit(insert, donate_argnums=(0,), out_shardings=layout),
-                    jax.jit(decode_chunk, donate_argnums=(1,), out_shardings=(None, layout)))
+                    jax.jit(decode_chunk, static_argnums=(2,), donate_argnums=(1,), out_shardings=(None, layout)))
 
-        self.programs = {(b, l): programs(b, l) for b in batch_buckets for l in length_buckets}
+        self.programs = {batch: programs(batch) for batch in batch_buckets}
         self._prefill = jax.jit(prefill)
 
     def put(self, array, replicated=False):
@@ -345,44 +353,46 @@ class Engine:
     def block_for(self, prompt_length):
         return next(b for b in self.prompt_blocks if b >= prompt_length)
 
-    def bucket_for(self, n_rows, total_length):
-        batch = next(b for b in self.batch_buckets if b >= n_rows)
-        length = next(l for l in self.length_buckets if l >= total_length)
-        return batch, length
+    def batch_for(self, n_rows):
+        return next((b for b in self.batch_buckets if b >= n_rows), self.batch_buckets[-1])
+
+    def window_for(self, length):
+        return next((l for l in self.length_buckets if l >= length), self.max_length)
 
     def warm_up(self):
-        """Compiles every program once (each bucket's decode and insert, each prompt block's prefill), so
-        requests never compile."""
+        """Compiles every program once, so requests never compile: per batch size, decode over each
+        window and an insert for each prompt block; per prompt block, a prefill."""
         for batch in self.batch_buckets:
-            for length in self.length_buckets:
-                started = time.time()
-                # A prompt of length-1 tokens (room for one new token) is prefilled in a block of `length`.
-                blocks = [b for b in self.prompt_blocks if b <= length]
-                rows = [Generation([self.bos] * min(block, length - 1), 1, SAMPLER_DEFAULTS["greedy"], 0, [], None)
-                        for block in blocks]
-                self.generate(rows, batch, length)
-                log(f"warm-up: compiled decode for batch {batch} x length {length}, prefill + insert for "
-                    f"prompt blocks {','.join(str(b) for b in blocks)} in {time.time() - started:.1f}s")
+            started = time.time()
+            # The longest prompt that leaves room for one new token is prefilled in the largest block.
+            rows = [Generation([self.bos] * min(block, self.max_length - 1), 1, SAMPLER_DEFAULTS["greedy"], 0, [],
+                               None) for block in self.prompt_blocks]
+            decoding = self.generate(rows, batch)
+            for window in self.length_buckets:
+                decoding.step(window)
+            log(f"warm-up: batch {batch}: compiled decode over windows {','.join(map(str, self.length_buckets))}"
+                f" and prompt blocks {','.join(map(str, self.prompt_blocks))} in {time.time() - started:.1f}s")
 
-    def generate(self, rows, batch, length):
-        """Decodes `rows` (Generation objects) in one batch of `batch` rows, taking each in as a row frees."""
-        decoding = DecodeBatch(self, batch, length)
+    def generate(self, rows, batch):
+        """Decodes `rows` (Generation objects) in a batch of `batch` rows, each taking a row as one frees;
+        returns the batch."""
+        decoding = DecodeBatch(self, batch)
         waiting = list(rows)
         while waiting or decoding.active:
             while waiting and decoding.free_rows:
                 decoding.admit(waiting.pop(0))
             decoding.step()
-        return rows
+        return decoding
 
 
 class DecodeBatch:
-    """`size` rows over one cache of `length` positions. Each row holds one generation at its own
-    position; a row frees up the moment its generation ends and can take the next one."""
+    """`size` rows over one cache. Each row holds one generation at its own position; a row frees up
+    the moment its generation ends and can take the next one."""
 
-    def __init__(self, engine, size, length):
+    def __init__(self, engine, size):
         import numpy as np
-        self.engine, self.size, self.length = engine, size, length
-        self.new_cache, self.insert, self.decode = engine.programs[(size, length)]
+        self.engine, self.size, self.length = engine, size, engine.max_length
+        self.new_cache, self.insert, self.decode = engine.programs[size]
         self.cache = self.new_cache()
         self.rows = [None] * size
         self.positions = np.zeros(size, np.int32)  # where each row's next input token goes
@@ -402,9 +412,6 @@ class DecodeBatch:
     def active(self):
         return self.size - self.free_rows
 
-    def fits(self, generation):
-        return len(generation.prompt_ids) + generation.max_tokens <= self.length
-
     def admit(self, generation):
         """Prefills the prompt into a free row; the row's first decode step re-reads its last prompt token."""
         import numpy as np
@@ -423,21 +430,24 @@ class DecodeBatch:
         self.seeds[row] = generation.seed
         self.sampling = None
 
-    def step(self):
+    def step(self, window=None):
         """Decodes DECODE_CHUNK tokens in every row and hands each generation its own."""
         import numpy as np
         engine = self.engine
         if self.sampling is None:
             self.sampling = [engine.put(a) for a in (self.temperature, self.top_k, self.top_p, self.seeds)]
-        sampled, self.cache = self.decode(engine.values, self.cache, engine.put(self.tokens),
+        if window is None:
+            busy = [self.positions[row] for row, g in enumerate(self.rows) if g is not None]
+            window = engine.window_for(max(busy, default=0) + DECODE_CHUNK)
+        sampled, self.cache = self.decode(engine.values, self.cache, window, engine.put(self.tokens),
                                           engine.put(self.positions), *self.sampling)
         sampled = np.asarray(sampled)
         for row, generation in enumerate(self.rows):
             if generation is None:
                 continue
             for offset in range(DECODE_CHUNK):
-                if self.positions[row] + offset >= self.length - 1:  # the cache is full (fits() prevents it)
-                    generation.finish("length")
+                if self.positions[row] + offset >= self.length - 1:  # the cache is full (validation prevents it)
+                    generation.finish("length", engine)
                     break
                 if generation.accept(int(sampled[offset, row]), engine):
                     break
@@ -467,16 +477,17 @@ class Generation:
     def accept(self, token, engine):
         """Takes one generated token; returns True when this generation has finished."""
         if token in engine.stop_ids:
-            return self.finish("stop")
+            return self.finish("stop", engine)
         self.ids.append(token)
-        self.text = engine.decode(self.ids)
+        if self.follows_text:
+            self.text = engine.decode(self.ids)
         for stop in self.stop:
             at = self.text.find(stop)
             if at >= 0:
                 self.text = self.text[:at]
-                return self.finish("stop")
+                return self.finish("stop", engine)
         if len(self.ids) >= self.max_tokens:
-            return self.finish("length")
+            return self.finish("length", engine)
         self.emit(final=False)
         return False
 
@@ -491,7 +502,14 @@ class Generation:
             self.events.put((self.index, self.text[self.sent:upto], self.finish_reason if final else None))
             self.sent = upto
 
-    def finish(self, reason):
+    @property
+    def follows_text(self):
+        """Text is needed token by token only to find stop strings or to stream; otherwise once, at the end."""
+        return bool(self.stop) or self.events is not None
+
+    def finish(self, reason, engine=None):
+        if engine is not None and not self.follows_text:
+            self.text = engine.decode(self.ids)
         self.finish_reason = reason
         self.emit(final=True)
         self.done.set()
@@ -504,9 +522,9 @@ class QueueFull(Exception):
 
 class Worker:
     """One thread owns the model. Requests queue here and are decoded in a batch whose rows they take
-    as rows free up. A batch keeps its (size, length) bucket while it runs; when a waiting request
-    needs a longer one, or more rows than the largest size allows, the batch stops taking requests,
-    finishes what it holds, and the next one is sized for what waits."""
+    as rows free up. A batch keeps its size while it runs; when more requests wait than it has rows and
+    a larger size exists, it stops taking requests, finishes what it holds, and the next batch is sized
+    for what waits."""
 
     def __init__(self, engine, max_batch_size, window_seconds, max_queue):
         self.engine, self.max_batch_size, self.window = engine, max_batch_size, window_seconds
@@ -549,13 +567,13 @@ class Worker:
                         break
             self.busy = 1
             first = list(self.waiting)[:self.max_batch_size]
-            size, length = self.engine.bucket_for(len(first), max(len(g.prompt_ids) + g.max_tokens for g in first))
+            size = self.engine.batch_for(len(first))
             decoding = None
             try:
-                decoding = DecodeBatch(self.engine, size, length)
+                decoding = DecodeBatch(self.engine, size)
                 self.decode(decoding)
             except Exception as e:  # never let one bad batch kill the worker
-                log(f"error: batch of {size} x {length} failed: {type(e).__name__}: {e}")
+                log(f"error: batch of {size} failed: {type(e).__name__}: {e}")
                 if decoding is not None:
                     decoding.fail("error")
                 else:  # the batch could not even be set up: fail those it was for, not the whole line
@@ -570,11 +588,8 @@ class Worker:
         while True:
             self.collect()
             while taking and self.waiting and decoding.free_rows:
-                if not decoding.fits(self.waiting[0]):
-                    taking = False  # first in line needs a longer batch: let this one drain
-                    break
                 decoding.admit(self.waiting.popleft())
-            if taking and self.waiting and decoding.size < self.engine.batch_buckets[-1]:
+            if taking and self.waiting and decoding.size < self.max_batch_size:
                 taking = False  # more waiting than rows: let this batch drain and start a larger one
             if not decoding.active:
                 return
@@ -953,7 +968,7 @@ def load(server):
         engine = Engine(model, batch_buckets(args.max_batch_size, batch_axis), args.length_buckets, distribution)
         started = time.time()
         engine.warm_up()
-        log(f"warm-up: {len(engine.batch_buckets) * len(engine.length_buckets)} buckets, "
+        log(f"warm-up: {len(engine.batch_buckets)} batch sizes x {len(engine.length_buckets)} windows, "
             f"{METRICS.compilations} XLA compilations in {time.time() - started:.1f}s")
         server.engine = engine
         server.worker = Worker(engine, engine.batch_buckets[-1], args.batch_window_ms / 1000, args.max_queue)

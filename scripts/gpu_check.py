@@ -98,9 +98,10 @@ def time_generation(model, args, batch_size):
     def rows():
         return [serve.Generation([2] + rng.integers(3, 1000, prompt_length - 1).tolist(), args.new_tokens,
                                  serve.SAMPLER_DEFAULTS["greedy"], 0, [], None) for _ in range(batch_size)]
-    engine.generate(rows(), batch_size, total)
+    engine.generate(rows(), batch_size)
     started = time.time()
-    done = engine.generate(rows(), batch_size, total)
+    done = rows()
+    engine.generate(done, batch_size)
     seconds = time.time() - started
     assert all(len(g.ids) == args.new_tokens for g in done)
     return batch_size * args.new_tokens / seconds, compile_seconds
