@@ -16,11 +16,15 @@ request the moment it frees, and stops at its own stop token or max_tokens.
 """
 import argparse
 import collections
+import hmac
 import json
 import os
 import queue
 import random
+import re
+import select
 import signal
+import socket
 import sys
 import threading
 import time
@@ -58,6 +62,11 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens-limit", type=int, default=None,
                    help="largest max_tokens accepted (default: the largest length bucket)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default: 1 MiB)")
+    p.add_argument("--idle-timeout", type=float, default=60.0,
+                   help="seconds a connection may sit idle, or take to send a request's headers or body, before "
+                        "it is closed (default: 60)")
+    p.add_argument("--max-connections", type=int, default=1024,
+                   help="open connections before new ones get 503 and are closed (default: 1024)")
     p.add_argument("--api-key", default=os.environ.get("SERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on everything but /health (env: SERVE_API_KEY)")
     p.add_argument("--sampler", choices=sorted(SAMPLER_DEFAULTS), default="top_k",
@@ -74,8 +83,10 @@ def parse_args(argv=None):
     args.length_buckets = sorted({int(s) for s in args.length_buckets.split(",") if s.strip()})
     if not args.length_buckets or args.length_buckets[0] < 2:
         p.error("--length-buckets must list lengths of at least 2")
-    if args.max_batch_size < 1 or args.max_queue < 1:
-        p.error("--max-batch-size and --max-queue must be at least 1")
+    if args.max_batch_size < 1 or args.max_queue < 1 or args.max_connections < 1:
+        p.error("--max-batch-size, --max-queue and --max-connections must be at least 1")
+    if args.idle_timeout <= 0:
+        p.error("--idle-timeout must be positive")
     args.max_tokens_limit = args.max_tokens_limit or args.length_buckets[-1]
     return args
 
@@ -94,9 +105,10 @@ class Metrics:
         self.requests = {}          # (path, status) -> count
         self.latency_counts = [0] * (len(LATENCY_BUCKETS) + 1)
         self.latency_sum = 0.0
-        self.prompt_tokens = self.generated_tokens = self.compilations = 0
+        self.prompt_tokens = self.generated_tokens = self.compilations = self.cancelled = 0
+        self.refused_connections = self.idle_closed = 0
         self.batch_sizes = {}
-        self.queue_depth = lambda: 0
+        self.queue_depth = self.open_connections = lambda: 0
 
     def observe_request(self, path, status, seconds):
         with self.lock:
@@ -136,7 +148,17 @@ class Metrics:
                       "# HELP serve_batches_total Decode batches by number of requests in them.",
                       "# TYPE serve_batches_total counter"]
             lines += [f'serve_batches_total{{size="{s}"}} {n}' for s, n in sorted(self.batch_sizes.items())]
-            lines += ["# HELP serve_compilations_total XLA compilations in this process (flat after warm-up).",
+            lines += ["# HELP serve_cancelled_total Generations stopped because their client went away.",
+                      "# TYPE serve_cancelled_total counter", f"serve_cancelled_total {self.cancelled}",
+                      "# HELP serve_open_connections Client connections open now.",
+                      "# TYPE serve_open_connections gauge", f"serve_open_connections {self.open_connections()}",
+                      "# HELP serve_refused_connections_total Connections answered 503 at --max-connections.",
+                      "# TYPE serve_refused_connections_total counter",
+                      f"serve_refused_connections_total {self.refused_connections}",
+                      "# HELP serve_idle_closed_total Connections closed for idling or sending slower than "
+                      "--idle-timeout.",
+                      "# TYPE serve_idle_closed_total counter", f"serve_idle_closed_total {self.idle_closed}",
+                      "# HELP serve_compilations_total XLA compilations in this process (flat after warm-up).",
                       "# TYPE serve_compilations_total counter", f"serve_compilations_total {self.compilations}",
                       "# TYPE serve_ready gauge", f"serve_ready {int(ready)}"]
             return "\n".join(lines) + "\n"
@@ -456,6 +478,13 @@ class DecodeBatch:
         self.positions += DECODE_CHUNK
         self.tokens = sampled[-1].copy()
 
+    def release_cancelled(self):
+        """Frees the rows of generations whose clients left, before the next chunk decodes for them."""
+        for row, generation in enumerate(self.rows):
+            if generation is not None and generation.cancelled:
+                generation.finish("cancelled")
+                self.rows[row] = None
+
     def fail(self, reason):
         for row, generation in enumerate(self.rows):
             if generation is not None and generation.finish_reason is None:
@@ -470,6 +499,7 @@ class Generation:
         self.prompt_ids, self.max_tokens, self.sampling, self.seed = prompt_ids, max_tokens, sampling, seed
         self.stop, self.events, self.index = stop, events, index
         self.ids, self.text, self.sent, self.finish_reason = [], "", 0, None
+        self.cancelled = False  # set by the HTTP thread when the client leaves; the worker acts on it
         self.enqueued = time.time()
         self.started = None
         self.done = threading.Event()
@@ -507,9 +537,14 @@ class Generation:
         """Text is needed token by token only to find stop strings or to stream; otherwise once, at the end."""
         return bool(self.stop) or self.events is not None
 
+    def cancel(self):
+        self.cancelled = True
+
     def finish(self, reason, engine=None):
         if engine is not None and not self.follows_text:
             self.text = engine.decode(self.ids)
+        if reason == "cancelled":
+            METRICS.add("cancelled")
         self.finish_reason = reason
         self.emit(final=True)
         self.done.set()
@@ -587,6 +622,10 @@ class Worker:
         taking = True
         while True:
             self.collect()
+            for g in [g for g in self.waiting if g.cancelled]:
+                self.waiting.remove(g)
+                g.finish("cancelled")
+            decoding.release_cancelled()
             while taking and self.waiting and decoding.free_rows:
                 decoding.admit(self.waiting.popleft())
             if taking and self.waiting and decoding.size < self.max_batch_size:
@@ -597,7 +636,10 @@ class Worker:
             decoding.step()
 
 
-# ----------------------------------------------------------------------------- HTTP
+# ----------------------------------------------------------------------------- API
+# One small function per route: parse -> validate -> generations -> render. Each takes the shared
+# Server state and the request (`req`: .json(), .client_gone(), .headers, .generations) and returns a
+# Reply; the HTTP plumbing further down does status lines, errors, auth, metrics and logging.
 
 class RequestError(Exception):
     def __init__(self, status, message, kind="invalid_request_error", headers=None):
@@ -605,8 +647,21 @@ class RequestError(Exception):
         self.status, self.kind, self.headers = status, kind, headers or {}
 
 
+class ClientGone(Exception):
+    """The client closed or reset its connection before its answer was ready."""
+
+
+class Reply:
+    """A JSON payload, a text body, or a stream of server-sent-event chunks (None = nothing yet)."""
+
+    def __init__(self, status=200, payload=None, text=None, content_type="application/json", stream=None,
+                 headers=None):
+        self.status, self.payload, self.text, self.content_type = status, payload, text, content_type
+        self.stream, self.headers = stream, headers or {}
+
+
 class Server:
-    """Everything the handlers share: configuration, readiness, the worker."""
+    """Everything the routes share: configuration, readiness, the worker."""
 
     def __init__(self, args):
         self.args = args
@@ -620,267 +675,90 @@ class Server:
         self.rng = random.Random(args.seed)  # seeds for requests that bring none
 
 
+def health(server, req):
+    ready = server.state == "ready"
+    return Reply(200 if ready else 503, {"status": "ok" if ready else server.state})
+
+
+def metrics_page(server, req):
+    return Reply(text=METRICS.render(server.state == "ready"), content_type="text/plain; version=0.0.4")
+
+
+def list_models(server, req):
+    return Reply(payload={"object": "list", "data": [
+        {"id": server.model_name, "object": "model", "created": 0, "owned_by": "local"}]})
+
+
+def usage_page(server, req):
+    return Reply(payload={"service": "Gemma LoRA server", "endpoints": {
+        "POST /": '{"prompt": "...", "max_tokens": 256} or {"instruction": "...", "context": "..."} '
+                  '-> {"generated_text", "completion", "prompt_tokens", "completion_tokens", "finish_reason"}',
+        "POST /v1/completions": "OpenAI-compatible completions (stream supported)",
+        "GET /v1/models": "the served model", "GET /health": "200 when ready", "GET /metrics": "Prometheus"}})
+
+
+def article_completion(server, req):
+    body = req.json()
+    if "prompt" in body:
+        prompt = body["prompt"]
+        if not isinstance(prompt, str):
+            raise RequestError(400, "'prompt' must be a string")
+    elif "instruction" in body:
+        prompt = format_instruction(body, server.template)
+    else:
+        raise RequestError(400, "send 'prompt' (raw text) or 'instruction' (with optional 'context')")
+    [g] = wait_for(start_generations(server, req, [prompt], body, default_max_tokens=256), req)
+    return Reply(payload={"generated_text": prompt + g.text, "completion": g.text,
+                          "prompt_tokens": len(g.prompt_ids) - 1, "completion_tokens": len(g.ids),
+                          "finish_reason": g.finish_reason})
+
+
+def completions(server, req):
+    body = req.json()
+    prompts = body.get("prompt")
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
+        raise RequestError(400, "'prompt' must be a string or a non-empty list of strings")
+    if body.get("n", 1) != 1:
+        raise RequestError(400, "only n=1 is supported")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestError(400, "'stream' must be a boolean")
+    base = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
+            "model": server.model_name}
+    if stream:
+        events = queue.Queue()
+        gens = start_generations(server, req, prompts, body, default_max_tokens=16, events=events)
+        render = lambda index, text, reason: base | {"choices": [{"text": text, "index": index, "logprobs": None,
+                                                                  "finish_reason": reason}]}
+        return Reply(stream=stream_events(gens, events, render))
+    gens = wait_for(start_generations(server, req, prompts, body, default_max_tokens=16), req)
+    prompt_tokens = sum(len(g.prompt_ids) - 1 for g in gens)
+    completion_tokens = sum(len(g.ids) for g in gens)
+    return Reply(payload=base | {
+        "choices": [{"text": g.text, "index": i, "logprobs": None, "finish_reason": g.finish_reason}
+                    for i, g in enumerate(gens)],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens}})
+
+
+ROUTES = {
+    "/": {"GET": usage_page, "POST": article_completion},
+    "/v1/completions": {"POST": completions},
+    "/v1/models": {"GET": list_models},
+    "/health": {"GET": health},
+    "/metrics": {"GET": metrics_page},
+}
+PUBLIC_ROUTES = {"/health"}  # load balancers probe it without credentials
+
+
 def is_int(value):
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def is_number(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def make_handler(server):
-    args = server.args
-
-    class Handler(BaseHTTPRequestHandler):
-        server_version = "gemma-lora-serve"
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *a):  # one structured line per request instead
-            pass
-
-        # -------------------------------------------------------------- plumbing
-        def send_json(self, status, payload, headers=None):
-            body = json.dumps(payload, ensure_ascii=False).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            for k, v in (headers or {}).items():
-                self.send_header(k, v)
-            self.end_headers()
-            self.wfile.write(body)
-
-        def send_error_json(self, error):
-            self.send_json(error.status, {"error": {"message": str(error), "type": error.kind}}, error.headers)
-
-        def handle_safely(self, method):
-            started = time.time()
-            path = self.path.split("?", 1)[0]
-            self.stats = None
-            self.body_read = False
-            status = 500
-            try:
-                status = self.route(method, path)
-            except RequestError as e:
-                status = e.status
-                if not self.body_read and self.headers.get("Content-Length", "0").strip() != "0":
-                    self.close_connection = True  # an unread body must not be parsed as the next request
-                self.send_error_json(e)
-            except (BrokenPipeError, ConnectionResetError):
-                status = 499
-            except Exception as e:  # a bug must cost one request, not the server
-                log(f"error: {method} {path}: {type(e).__name__}: {e}")
-                self.close_connection = True
-                try:
-                    self.send_error_json(RequestError(500, "internal error", "server_error"))
-                except OSError:
-                    pass
-            known = path if path in ("/", "/v1/completions", "/v1/models", "/health", "/metrics") else "other"
-            generating = self.stats is not None
-            METRICS.observe_request(known, status, time.time() - started if generating else None)
-            if generating or (status >= 400 and path != "/health"):
-                self.log_request_line(method, path, status, started)
-
-        def log_request_line(self, method, path, status, started):
-            elapsed = time.time() - started
-            line = f"{method} {path} {status} {elapsed * 1000:.0f}ms"
-            if self.stats:
-                prompt_tokens, completion_tokens, queue_wait = self.stats
-                line += (f" prompt={prompt_tokens} completion={completion_tokens} queue={queue_wait * 1000:.0f}ms "
-                         f"{completion_tokens / max(elapsed, 1e-9):.1f} tok/s")
-            log(line)
-
-        def do_GET(self):
-            self.handle_safely("GET")
-
-        def do_POST(self):
-            self.handle_safely("POST")
-
-        def do_PUT(self):
-            self.handle_safely("PUT")
-
-        def do_DELETE(self):
-            self.handle_safely("DELETE")
-
-        def do_PATCH(self):
-            self.handle_safely("PATCH")
-
-        # -------------------------------------------------------------- routing
-        def route(self, method, path):
-            routes = {"/": ("GET", "POST"), "/v1/completions": ("POST",), "/v1/models": ("GET",),
-                      "/health": ("GET",), "/metrics": ("GET",)}
-            if path not in routes:
-                raise RequestError(404, f"no route {path}", "not_found_error")
-            if method not in routes[path]:
-                raise RequestError(405, f"{method} not allowed on {path}", "invalid_request_error",
-                                   {"Allow": ", ".join(routes[path])})
-            if path == "/health":
-                ready = server.state == "ready"
-                self.send_json(200 if ready else 503, {"status": "ok" if ready else server.state})
-                return 200 if ready else 503
-            self.check_auth()
-            if path == "/metrics":
-                body = METRICS.render(server.state == "ready").encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-                return 200
-            if path == "/v1/models":
-                self.send_json(200, {"object": "list", "data": [
-                    {"id": server.model_name, "object": "model", "created": 0, "owned_by": "local"}]})
-                return 200
-            if path == "/" and method == "GET":
-                self.send_json(200, usage())
-                return 200
-            if server.state != "ready":
-                raise RequestError(503, f"model is {server.state}", "overloaded_error", {"Retry-After": "5"})
-            body = self.read_json()
-            with server.lock:
-                server.in_flight += 1
-            try:
-                if path == "/":
-                    return self.article_completion(body)
-                return self.openai_completion(body)
-            finally:
-                with server.lock:
-                    server.in_flight -= 1
-
-        def check_auth(self):
-            if args.api_key and self.headers.get("Authorization", "") != f"Bearer {args.api_key}":
-                raise RequestError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                   "authentication_error", {"WWW-Authenticate": "Bearer"})
-
-        def read_json(self):
-            content_type = self.headers.get("Content-Type", "application/json").split(";")[0].strip().lower()
-            if content_type != "application/json":
-                raise RequestError(415, f"Content-Type must be application/json, got {content_type!r}")
-            length_header = self.headers.get("Content-Length")
-            if length_header is None:
-                raise RequestError(411, "Content-Length required")
-            if not length_header.strip().isdigit():
-                raise RequestError(400, f"bad Content-Length {length_header!r}")
-            length = int(length_header)
-            if length > args.max_body_bytes:
-                raise RequestError(413, f"body of {length} bytes is over the {args.max_body_bytes}-byte limit")
-            self.connection.settimeout(10)
-            try:
-                raw = self.rfile.read(length)
-            except TimeoutError:
-                raw = b""
-            if len(raw) < length:
-                raise RequestError(400, f"body shorter than its Content-Length ({len(raw)} < {length})")
-            self.body_read = True
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise RequestError(400, "body is not valid UTF-8") from None
-            try:
-                body = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise RequestError(400, f"body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
-            if not isinstance(body, dict):
-                raise RequestError(400, f"body must be a JSON object, got {type(body).__name__}")
-            return body
-
-        # -------------------------------------------------------------- generation
-        def article_completion(self, body):
-            if "prompt" in body:
-                prompt = body["prompt"]
-                if not isinstance(prompt, str):
-                    raise RequestError(400, "'prompt' must be a string")
-            elif "instruction" in body:
-                prompt = format_instruction(body, server.template)
-            else:
-                raise RequestError(400, "send 'prompt' (raw text) or 'instruction' (with optional 'context')")
-            [g] = self.run_generations([prompt], body, default_max_tokens=256, stream=False)
-            self.send_json(200, {"generated_text": prompt + g.text, "completion": g.text,
-                                 "prompt_tokens": len(g.prompt_ids) - 1, "completion_tokens": len(g.ids),
-                                 "finish_reason": g.finish_reason})
-            return 200
-
-        def openai_completion(self, body):
-            prompts = body.get("prompt")
-            if isinstance(prompts, str):
-                prompts = [prompts]
-            if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
-                raise RequestError(400, "'prompt' must be a string or a non-empty list of strings")
-            if body.get("n", 1) != 1:
-                raise RequestError(400, "only n=1 is supported")
-            stream = body.get("stream", False)
-            if not isinstance(stream, bool):
-                raise RequestError(400, "'stream' must be a boolean")
-            created, cid = int(time.time()), f"cmpl-{uuid.uuid4().hex[:24]}"
-            base = {"id": cid, "object": "text_completion", "created": created, "model": server.model_name}
-            if stream:
-                self.stream_completion(prompts, body, base)
-                return 200
-            gens = self.run_generations(prompts, body, default_max_tokens=16, stream=False)
-            prompt_tokens = sum(len(g.prompt_ids) - 1 for g in gens)
-            completion_tokens = sum(len(g.ids) for g in gens)
-            self.send_json(200, base | {
-                "choices": [{"text": g.text, "index": i, "logprobs": None, "finish_reason": g.finish_reason}
-                            for i, g in enumerate(gens)],
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                          "total_tokens": prompt_tokens + completion_tokens}})
-            return 200
-
-        def stream_completion(self, prompts, body, base):
-            events = queue.Queue()
-            gens = self.run_generations(prompts, body, default_max_tokens=16, stream=events)
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-cache")
-            self.send_header("Connection", "close")
-            self.end_headers()
-            self.close_connection = True
-            finished = 0
-            while finished < len(gens):
-                index, text, reason = events.get()
-                finished += reason is not None
-                chunk = base | {"choices": [{"text": text, "index": index, "logprobs": None,
-                                             "finish_reason": reason}]}
-                self.wfile.write(f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n".encode())
-                self.wfile.flush()
-            self.wfile.write(b"data: [DONE]\n\n")
-            self.wfile.flush()
-
-        def run_generations(self, prompts, body, default_max_tokens, stream):
-            sampling, seed, stop = parse_sampling(body, args.sampler, server)
-            engine = server.engine
-            largest = engine.length_buckets[-1]
-            max_tokens = body.get("max_tokens")
-            if max_tokens is not None and (not is_int(max_tokens) or max_tokens < 1):
-                raise RequestError(400, "'max_tokens' must be a positive integer")
-            if max_tokens is not None and max_tokens > args.max_tokens_limit:
-                raise RequestError(400, f"'max_tokens' {max_tokens} is over the limit of {args.max_tokens_limit}")
-            gens = []
-            for i, prompt in enumerate(prompts):
-                prompt_ids = [engine.bos] + engine.encode(prompt)
-                room = largest - len(prompt_ids)
-                wanted = max_tokens if max_tokens is not None else min(default_max_tokens, room)
-                if wanted > room or room < 1:
-                    raise RequestError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({wanted}) exceeds the "
-                                            f"longest sequence this server compiled ({largest}); shorten the prompt "
-                                            "or max_tokens, or start the server with larger --length-buckets")
-                gens.append(Generation(prompt_ids, wanted, sampling, (seed + i) % 2**32, stop,
-                                       stream if stream else None, i))
-            try:
-                server.worker.submit(gens)
-            except QueueFull:
-                raise RequestError(503, "server is busy: request queue is full", "overloaded_error",
-                                   {"Retry-After": "1"}) from None
-            for g in gens:
-                g.done.wait()
-            if any(g.finish_reason == "error" for g in gens):
-                raise RequestError(500, "generation failed", "server_error")
-            self.stats = (sum(len(g.prompt_ids) - 1 for g in gens), sum(len(g.ids) for g in gens),
-                          max(g.started - g.enqueued for g in gens))
-            METRICS.add("prompt_tokens", self.stats[0])
-            METRICS.add("generated_tokens", self.stats[1])
-            return gens
-
-    return Handler
 
 
 def format_instruction(body, template):
@@ -927,12 +805,416 @@ def parse_sampling(body, sampler, server):
     return sampling, seed % 2**32, stop
 
 
-def usage():
-    return {"service": "Gemma LoRA server", "endpoints": {
-        "POST /": '{"prompt": "...", "max_tokens": 256} or {"instruction": "...", "context": "..."} '
-                  '-> {"generated_text", "completion", "prompt_tokens", "completion_tokens", "finish_reason"}',
-        "POST /v1/completions": "OpenAI-compatible completions (stream supported)",
-        "GET /v1/models": "the served model", "GET /health": "200 when ready", "GET /metrics": "Prometheus"}}
+def start_generations(server, req, prompts, body, default_max_tokens, events=None):
+    """Validates the generation fields and queues one Generation per prompt (503 when the queue is full)."""
+    if server.state != "ready":
+        raise RequestError(503, f"model is {server.state}", "overloaded_error", {"Retry-After": "5"})
+    args, engine = server.args, server.engine
+    sampling, seed, stop = parse_sampling(body, args.sampler, server)
+    largest = engine.length_buckets[-1]
+    max_tokens = body.get("max_tokens")
+    if max_tokens is not None and (not is_int(max_tokens) or max_tokens < 1):
+        raise RequestError(400, "'max_tokens' must be a positive integer")
+    if max_tokens is not None and max_tokens > args.max_tokens_limit:
+        raise RequestError(400, f"'max_tokens' {max_tokens} is over the limit of {args.max_tokens_limit}")
+    gens = []
+    for i, prompt in enumerate(prompts):
+        prompt_ids = [engine.bos] + engine.encode(prompt)
+        room = largest - len(prompt_ids)
+        wanted = max_tokens if max_tokens is not None else min(default_max_tokens, room)
+        if wanted > room or room < 1:
+            raise RequestError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({wanted}) exceeds the "
+                                    f"longest sequence this server compiled ({largest}); shorten the prompt "
+                                    "or max_tokens, or start the server with larger --length-buckets")
+        gens.append(Generation(prompt_ids, wanted, sampling, (seed + i) % 2**32, stop, events, i))
+    try:
+        server.worker.submit(gens)
+    except QueueFull:
+        raise RequestError(503, "server is busy: request queue is full", "overloaded_error",
+                           {"Retry-After": "1"}) from None
+    req.generations = gens
+    return gens
+
+
+def wait_for(gens, req):
+    """Blocks until every generation has ended. A client that leaves meanwhile has its generations
+    cancelled, so the worker does not decode tokens nobody will read."""
+    for g in gens:
+        while not g.done.wait(0.1):
+            if req.client_gone():
+                for other in gens:
+                    other.cancel()
+                raise ClientGone()
+    if any(g.finish_reason == "error" for g in gens):
+        raise RequestError(500, "generation failed", "server_error")
+    return gens
+
+
+def stream_events(gens, events, render):
+    """Server-sent events: one chunk per piece of text, `data: [DONE]` last. Yields None while nothing
+    is ready, so the plumbing can check on the client; closing the stream cancels what is left."""
+    try:
+        finished = 0
+        while finished < len(gens):
+            try:
+                index, text, reason = events.get(timeout=0.1)
+            except queue.Empty:
+                yield None
+                continue
+            finished += reason is not None
+            yield f"data: {json.dumps(render(index, text, reason), ensure_ascii=False)}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+    finally:
+        for g in gens:
+            g.cancel()
+
+
+# ----------------------------------------------------------------------------- HTTP plumbing
+
+LINGER_BYTES, LINGER_SECONDS = 64 << 20, 10.0  # what is read and dropped of a refused body before closing
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:/=+-]{1,128}")
+
+
+class Listener(ThreadingHTTPServer):
+    """The standard library's threaded server, made fit for real clients: a listen backlog that holds
+    a burst (socketserver's is 5, so bursts were reset), a cap on open connections that costs no
+    thread to enforce, and a reaper that closes connections idle or still sending their headers past
+    --idle-timeout."""
+    daemon_threads = True
+    request_queue_size = max(1024, socket.SOMAXCONN)
+
+    def __init__(self, app):
+        self.app = app
+        self.deadlines = {}  # open connection -> when the reaper closes it; None while a request runs
+        self.deadlines_lock = threading.Lock()
+        super().__init__((app.args.host, app.args.port), Handler)
+        threading.Thread(target=self.reap, daemon=True, name="reaper").start()
+
+    def process_request(self, request, client_address):
+        with self.deadlines_lock:
+            full = len(self.deadlines) >= self.app.args.max_connections
+            if not full:
+                self.deadlines[request] = time.time() + self.app.args.idle_timeout
+        if full:
+            refuse_connection(request, self.app.args.max_connections)
+            return
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request):
+        with self.deadlines_lock:
+            self.deadlines.pop(request, None)
+        super().shutdown_request(request)
+
+    def watch(self, connection, deadline):
+        with self.deadlines_lock:
+            if connection in self.deadlines:
+                self.deadlines[connection] = deadline
+
+    def open_connections(self):
+        return len(self.deadlines)
+
+    def reap(self):
+        while True:
+            time.sleep(0.25)
+            now = time.time()
+            with self.deadlines_lock:
+                late = [c for c, deadline in self.deadlines.items() if deadline is not None and deadline < now]
+                for connection in late:
+                    self.deadlines[connection] = None
+            for connection in late:  # its thread's blocked read then returns, and the thread ends
+                METRICS.add("idle_closed")
+                try:
+                    connection.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+
+def refuse_connection(connection, limit):
+    """503 and close, on the accepting thread: a flood of connections must not cost a thread each."""
+    METRICS.add("refused_connections")
+    body = json.dumps({"error": {"message": f"too many open connections (--max-connections {limit}); retry later",
+                                 "type": "overloaded_error"}}).encode()
+    head = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            "Retry-After: 1\r\nConnection: close\r\n\r\n").encode()
+    try:
+        connection.setblocking(False)
+        try:
+            connection.recv(1 << 16)  # what already came: closing on unread data would reset the answer
+        except OSError:
+            pass
+        connection.send(head + body)
+        connection.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+    finally:
+        connection.close()
+
+
+class Handler(BaseHTTPRequestHandler):
+    """One connection's requests, in turn: read, route, write, log, count."""
+    server_version = "gemma-lora-serve"
+    protocol_version = "HTTP/1.1"
+
+    def setup(self):
+        self.timeout = self.server.app.args.idle_timeout  # also bounds each write to a client that stopped reading
+        super().setup()
+
+    def log_message(self, *a):  # one structured line per request instead
+        pass
+
+    def handle_one_request(self):
+        # Idle, or still sending its request line and headers: the reaper closes it at the deadline.
+        self.server.watch(self.connection, time.time() + self.server.app.args.idle_timeout)
+        self.request_id, self.generations, self.body_read = None, [], False
+        super().handle_one_request()
+
+    def end_headers(self):
+        self.send_header("X-Request-Id", self.rid())
+        super().end_headers()
+
+    def rid(self):
+        if self.request_id is None:
+            incoming = getattr(self, "headers", None) and self.headers.get("X-Request-Id", "")
+            self.request_id = incoming if incoming and REQUEST_ID.fullmatch(incoming) else uuid.uuid4().hex
+        return self.request_id
+
+    def send_error(self, code, message=None, explain=None):
+        """The standard library's own errors (bad request line, headers too long) as JSON too."""
+        self.close_connection = True
+        self.send_json(code, {"error": {"message": message or self.responses.get(code, ("error",))[0],
+                                        "type": "invalid_request_error"}})
+
+    def handle_expect_100(self):
+        """Refuses an oversized body before the client sends it, instead of the automatic 100 Continue."""
+        length = self.headers.get("Content-Length", "").strip()
+        limit = self.server.app.args.max_body_bytes
+        if length.isdigit() and int(length) > limit:
+            self.close_connection = True
+            self.send_error_reply(RequestError(413, f"body of {length} bytes is over the {limit}-byte limit"))
+            METRICS.observe_request("other", 413, None)
+            return False
+        return super().handle_expect_100()
+
+    def do_GET(self):
+        self.dispatch("GET")
+
+    def do_POST(self):
+        self.dispatch("POST")
+
+    def do_PUT(self):
+        self.dispatch("PUT")
+
+    def do_DELETE(self):
+        self.dispatch("DELETE")
+
+    def do_PATCH(self):
+        self.dispatch("PATCH")
+
+    # -------------------------------------------------------------- one request
+    def dispatch(self, method):
+        app = self.server.app
+        self.server.watch(self.connection, None)  # busy: body reads and writes keep their own deadlines
+        started, path = time.time(), self.path.split("?", 1)[0]
+        status = 500
+        with app.lock:
+            app.in_flight += 1
+        try:
+            status = self.send_reply(self.route(app, method, path))
+        except RequestError as e:
+            status = e.status
+            self.send_error_reply(e)
+        except ClientGone:
+            status = 499
+        except OSError:  # the client went away while we wrote
+            status = 499
+            for g in self.generations:
+                g.cancel()
+        except Exception as e:  # a bug must cost one request, not the server
+            log(f"error: {method} {path}: {type(e).__name__}: {e}")
+            self.close_connection = True
+            try:
+                self.send_error_reply(RequestError(500, "internal error", "server_error"))
+            except OSError:
+                pass
+        finally:
+            with app.lock:
+                app.in_flight -= 1
+        if status == 499:
+            self.close_connection = True
+        elif not self.body_read:
+            self.discard_body()
+        generating = bool(self.generations)
+        METRICS.observe_request(path if path in ROUTES else "other", status,
+                                time.time() - started if generating else None)
+        if generating:
+            METRICS.add("prompt_tokens", sum(len(g.prompt_ids) - 1 for g in self.generations))
+            METRICS.add("generated_tokens", sum(len(g.ids) for g in self.generations))
+        if generating or (status >= 400 and path != "/health"):
+            self.log_request_line(method, path, status, started)
+
+    def route(self, app, method, path):
+        methods = ROUTES.get(path)
+        if methods is None:
+            raise RequestError(404, f"no route {path}", "not_found_error")
+        if method not in methods:
+            raise RequestError(405, f"{method} not allowed on {path}", "invalid_request_error",
+                               {"Allow": ", ".join(methods)})
+        if path not in PUBLIC_ROUTES:
+            self.check_auth(app.args.api_key)
+        return methods[method](app, self)
+
+    def check_auth(self, key):
+        # Constant-time, so response timing does not reveal how much of a guessed key was right.
+        if key and not hmac.compare_digest(self.headers.get("Authorization", "").encode("latin-1"),
+                                           f"Bearer {key}".encode()):
+            raise RequestError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                               "authentication_error", {"WWW-Authenticate": "Bearer"})
+
+    def log_request_line(self, method, path, status, started):
+        elapsed = time.time() - started
+        line = f"{method} {path} {status} {elapsed * 1000:.0f}ms id={self.rid()}"
+        if self.generations:
+            gens = self.generations
+            prompt_tokens, completion_tokens = sum(len(g.prompt_ids) - 1 for g in gens), sum(len(g.ids) for g in gens)
+            queue_wait = max((g.started or time.time()) - g.enqueued for g in gens)
+            reasons = ",".join(sorted({g.finish_reason or "cancelled" for g in gens}))
+            line += (f" prompt={prompt_tokens} completion={completion_tokens} queue={queue_wait * 1000:.0f}ms "
+                     f"{completion_tokens / max(elapsed, 1e-9):.1f} tok/s finish={reasons}")
+        log(line)
+
+    # -------------------------------------------------------------- reading
+    def json(self):
+        content_type = self.headers.get("Content-Type", "application/json").split(";")[0].strip().lower()
+        if content_type != "application/json":
+            raise RequestError(415, f"Content-Type must be application/json, got {content_type!r}")
+        length_header = self.headers.get("Content-Length")
+        if length_header is None:
+            raise RequestError(411, "Content-Length required")
+        if not length_header.strip().isdigit():
+            raise RequestError(400, f"bad Content-Length {length_header!r}")
+        length, limit = int(length_header), self.server.app.args.max_body_bytes
+        if length > limit:
+            raise RequestError(413, f"body of {length} bytes is over the {limit}-byte limit")
+        raw = self.read_body(length)
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise RequestError(400, "body is not valid UTF-8") from None
+        try:
+            body = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise RequestError(400, f"body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+        if not isinstance(body, dict):
+            raise RequestError(400, f"body must be a JSON object, got {type(body).__name__}")
+        return body
+
+    def read_body(self, length):
+        """The body, within --idle-timeout in all (a client trickling bytes gets 408, not a thread forever)."""
+        self.body_read = True
+        timeout = self.server.app.args.idle_timeout
+        deadline, chunks, got = time.time() + timeout, [], 0
+        try:
+            while got < length:
+                remaining = deadline - time.time()
+                if remaining <= 0:
+                    raise TimeoutError
+                self.connection.settimeout(remaining)
+                chunk = self.rfile.read1(min(length - got, 1 << 16))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                got += len(chunk)
+        except TimeoutError:
+            self.close_connection = True
+            raise RequestError(408, f"request body not received within {timeout:g}s (--idle-timeout)",
+                               headers={"Connection": "close"}) from None
+        finally:
+            self.connection.settimeout(timeout)
+        if got < length:
+            self.close_connection = True
+            raise RequestError(400, f"body shorter than its Content-Length ({got} < {length})")
+        return b"".join(chunks)
+
+    def discard_body(self):
+        """Reads and drops a body that was answered without being read (a 413, a 401, …). A client that
+        writes its whole body before reading would otherwise see a reset instead of the answer; the
+        connection stays usable when the whole body came ("lingering close", as nginx does)."""
+        length = self.headers.get("Content-Length", "0").strip()
+        if not length.isdigit():
+            self.close_connection = True
+            return
+        left, deadline = int(length), time.time() + LINGER_SECONDS
+        if left > LINGER_BYTES:
+            self.close_connection = True
+        try:
+            while left > 0 and time.time() < deadline:
+                self.connection.settimeout(max(0.01, deadline - time.time()))
+                chunk = self.rfile.read1(min(left, 1 << 16, LINGER_BYTES))
+                if not chunk:
+                    break
+                left -= len(chunk)
+        except OSError:
+            pass
+        if left > 0:
+            self.close_connection = True
+        else:
+            try:
+                self.connection.settimeout(self.timeout)
+            except OSError:
+                pass
+
+    def client_gone(self):
+        """True once the client has closed (or half-closed) or reset its end. Peeks, so a pipelined
+        next request stays where it is."""
+        try:
+            if not select.select([self.connection], [], [], 0)[0]:
+                return False
+            return self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
+
+    # -------------------------------------------------------------- writing
+    def send_json(self, status, payload, headers=None):
+        self.send_body(status, json.dumps(payload, ensure_ascii=False).encode(), "application/json", headers)
+
+    def send_body(self, status, body, content_type, headers=None):
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def send_error_reply(self, error):
+        self.send_json(error.status, {"error": {"message": str(error), "type": error.kind}}, error.headers)
+
+    def send_reply(self, reply):
+        if reply.stream is None:
+            if reply.text is not None:
+                self.send_body(reply.status, reply.text.encode(), reply.content_type, reply.headers)
+            else:
+                self.send_json(reply.status, reply.payload, reply.headers)
+            return reply.status
+        self.send_response(reply.status)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+        try:
+            for chunk in reply.stream:
+                if chunk is None:
+                    if self.client_gone():
+                        raise ClientGone()
+                    continue
+                self.wfile.write(chunk)
+                self.wfile.flush()
+        finally:
+            reply.stream.close()
+        return reply.status
 
 
 def batch_buckets(max_batch_size, batch_axis):
@@ -986,8 +1268,8 @@ def main(argv=None):
     server = Server(args)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log(f"warning: listening on {args.host} without --api-key: anyone who can reach this port can use it")
-    httpd = ThreadingHTTPServer((args.host, args.port), make_handler(server))
-    httpd.daemon_threads = True
+    httpd = Listener(server)
+    METRICS.open_connections = httpd.open_connections
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
