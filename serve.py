@@ -840,7 +840,7 @@ def wait_for(gens, req):
     """Blocks until every generation has ended. A client that leaves meanwhile has its generations
     cancelled, so the worker does not decode tokens nobody will read."""
     for g in gens:
-        while not g.done.wait(0.1):
+        while not g.done.wait(0.05):
             if req.client_gone():
                 for other in gens:
                     other.cancel()
@@ -857,7 +857,7 @@ def stream_events(gens, events, render):
         finished = 0
         while finished < len(gens):
             try:
-                index, text, reason = events.get(timeout=0.1)
+                index, text, reason = events.get(timeout=0.05)
             except queue.Empty:
                 yield None
                 continue
@@ -956,7 +956,8 @@ class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
     def setup(self):
-        self.timeout = self.server.app.args.idle_timeout  # also bounds each write to a client that stopped reading
+        # A backstop for writes to a client that stopped reading; reads are closed earlier by the reaper.
+        self.timeout = self.server.app.args.idle_timeout + 10
         super().setup()
 
     def log_message(self, *a):  # one structured line per request instead
@@ -1129,7 +1130,7 @@ class Handler(BaseHTTPRequestHandler):
             raise RequestError(408, f"request body not received within {timeout:g}s (--idle-timeout)",
                                headers={"Connection": "close"}) from None
         finally:
-            self.connection.settimeout(timeout)
+            self.connection.settimeout(self.timeout)
         if got < length:
             self.close_connection = True
             raise RequestError(400, f"body shorter than its Content-Length ({got} < {length})")

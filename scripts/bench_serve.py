@@ -113,10 +113,8 @@ def metric(url, name):
                 return float(line.split()[-1])
 
 
-def main():
-    args = parse_args()
-    work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
-    env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3")
+def make_bench_model(work, env):
+    """The benchmarks' model: a small random Gemma (4 layers, 256 wide), put through one training step."""
     hf_dir, model_dir = work / "hf", work / "model"
     subprocess.run([sys.executable, str(REPO / "scripts/make_tiny_gemma.py"), str(hf_dir), "--vocab-size", "4096",
                     "--hidden", "256", "--layers", "4", "--heads", "4", "--kv-heads", "1", "--head-dim", "64",
@@ -124,6 +122,14 @@ def main():
     subprocess.run([sys.executable, str(REPO / "train_local.py"), "--model", str(hf_dir), "--data",
                     str(REPO / "tests/data/dolly_sample.jsonl"), "--limit", "8", "--max-steps", "1",
                     "--eval-examples", "0", "--output", str(model_dir)], check=True, env=env, capture_output=True)
+    return hf_dir, model_dir
+
+
+def main():
+    args = parse_args()
+    work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
+    env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3")
+    hf_dir, model_dir = make_bench_model(work, env)
     import sentencepiece as spm
     encode = spm.SentencePieceProcessor(model_file=str(hf_dir / "tokenizer.model")).encode
     pool = prompts(encode)

@@ -267,6 +267,7 @@ def test_help_describes_every_flag():
                          env=script_env()).stdout
     for flag in ["--model", "--host", "--port", "--max-batch-size", "--max-queue", "--max-tokens-limit",
                  "--max-body-bytes", "--api-key", "--sampler", "--seed", "--compile-cache", "--length-buckets",
-                 "--batch-window-ms", "--shutdown-timeout", "--distribution", "--mesh"]:
+                 "--batch-window-ms", "--shutdown-timeout", "--distribution", "--mesh", "--idle-timeout",
+                 "--max-connections"]:
         assert flag in out, flag
     assert "gemma-2b-dolly-lora" in out and "0.0.0.0" in out and "8080" in out

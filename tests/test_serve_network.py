@@ -1,0 +1,188 @@
+"""serve.py under real network conditions: bursts, idle and slow clients, clients that leave, big bodies."""
+import concurrent.futures
+import http.client as httpclient
+import json
+import re
+import socket
+import threading
+import time
+
+import pytest
+
+from conftest import http
+
+FLAGS = ["--length-buckets", "64,320", "--max-batch-size", "4", "--max-body-bytes", "4096", "--max-queue", "16",
+         "--seed", "0"]
+
+
+@pytest.fixture(scope="module")
+def server(trained_model, start_server):
+    return start_server(trained_model, *FLAGS)
+
+
+def post_raw(port, body, headers=None, timeout=120):
+    """(status, parsed JSON, headers) over http.client, which writes its whole body before reading."""
+    connection = httpclient.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        connection.request("POST", "/", body=body if isinstance(body, bytes) else json.dumps(body).encode(),
+                           headers={"Content-Type": "application/json", **(headers or {})})
+        response = connection.getresponse()
+        return response.status, json.loads(response.read()), response.headers
+    finally:
+        connection.close()
+
+
+def wait_for_metric(server, name, at_least, timeout=30):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = server.metric(name)
+        if value >= at_least:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"{name} stayed at {server.metric(name)} (wanted >= {at_least})")
+
+
+def closed_by_server(s, within):
+    """True if the server closes `s` within `within` seconds (EOF or reset), draining any answer first."""
+    s.settimeout(within)
+    try:
+        while s.recv(65536):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_a_burst_of_200_clients_gets_only_200_and_503(server):
+    start = threading.Barrier(200)
+
+    def client(i):
+        start.wait()
+        try:
+            return post_raw(server.port, {"prompt": f"Burst {i}", "max_tokens": 4})[0]
+        except OSError as e:
+            return type(e).__name__
+
+    with concurrent.futures.ThreadPoolExecutor(200) as pool:
+        outcomes = list(pool.map(client, range(200)))
+    assert set(outcomes) <= {200, 503}, {o for o in outcomes if o not in (200, 503)}
+    assert 200 in outcomes
+
+
+def test_a_client_that_leaves_has_its_generation_cancelled(server):
+    cancelled, generated = server.metric("serve_cancelled_total"), server.metric("serve_generated_tokens_total")
+    body = json.dumps({"prompt": "Hello", "max_tokens": 300, "temperature": 0}).encode()
+    for _ in range(4):
+        s = socket.create_connection(("127.0.0.1", server.port))
+        s.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        s.close()
+    wait_for_metric(server, "serve_cancelled_total", cancelled + 4)
+    # Without cancellation the four would have generated up to 1,200 tokens before the next request ran.
+    assert server.metric("serve_generated_tokens_total") - generated < 4 * 300 / 2
+    status, answer, _ = post_raw(server.port, {"prompt": "After", "max_tokens": 5, "temperature": 0})
+    assert status == 200 and answer["completion_tokens"] <= 5
+    assert re.search(r"POST / 499 .* finish=cancelled", server.output())
+
+
+def test_a_streaming_client_that_leaves_is_cancelled(server):
+    cancelled = server.metric("serve_cancelled_total")
+    body = json.dumps({"prompt": "Hi", "max_tokens": 300, "temperature": 0, "stream": True,
+                       "stop": ["never appears"]}).encode()
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    assert b"200" in s.recv(100)
+    s.close()
+    wait_for_metric(server, "serve_cancelled_total", cancelled + 1)
+
+
+def test_an_oversized_body_gets_a_readable_413(server):
+    status, answer, _ = post_raw(server.port, b"x" * (20 << 20))
+    assert status == 413 and "over the 4096-byte limit" in answer["error"]["message"]
+    assert post_raw(server.port, {"prompt": "Hi", "max_tokens": 2})[0] == 200
+
+
+def test_expect_100_continue_is_refused_up_front_when_too_large(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        s.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 10000000\r\n"
+                  b"Expect: 100-continue\r\n\r\n")
+        answer = s.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 413") and b"100 Continue" not in answer
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:  # small bodies still continue
+        body = json.dumps({"prompt": "Hi", "max_tokens": 2}).encode()
+        s.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+                  b"Expect: 100-continue\r\n\r\n" % len(body))
+        assert s.recv(65536).startswith(b"HTTP/1.1 100")
+        s.sendall(body)
+        assert s.recv(65536).startswith(b"HTTP/1.1 200")
+
+
+def test_request_id_round_trip(server):
+    _, _, headers = post_raw(server.port, {"prompt": "Hi", "max_tokens": 2}, headers={"X-Request-Id": "trace-42"})
+    assert headers["X-Request-Id"] == "trace-42"
+    assert re.search(r"POST / 200 \d+ms id=trace-42 ", server.output())
+    _, _, headers = post_raw(server.port, {"prompt": "Hi", "max_tokens": 2})
+    assert re.fullmatch(r"[0-9a-f]{32}", headers["X-Request-Id"])
+    status, _, headers = http("GET", server.url + "/nowhere", headers={"X-Request-Id": "err-1"})
+    assert status == 404 and headers["X-Request-Id"] == "err-1"
+    _, _, headers = http("GET", server.url + "/health", headers={"X-Request-Id": "bad id with spaces"})
+    assert re.fullmatch(r"[0-9a-f]{32}", headers["X-Request-Id"])
+
+
+def test_idle_and_slow_connections_are_closed_after_idle_timeout(trained_model, start_server):
+    server = start_server(trained_model, "--length-buckets", "64", "--max-batch-size", "1", "--idle-timeout", "2")
+    silent = socket.create_connection(("127.0.0.1", server.port))
+    half_header = socket.create_connection(("127.0.0.1", server.port))
+    half_header.sendall(b"POST / HTTP/1.1\r\nHost: x\r\n")
+    keep_alive = socket.create_connection(("127.0.0.1", server.port))
+    keep_alive.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert keep_alive.recv(65536).startswith(b"HTTP/1.1 200")
+    trickle = socket.create_connection(("127.0.0.1", server.port))  # a byte every 0.5 s: each read is quick
+    slow_body = socket.create_connection(("127.0.0.1", server.port))
+    slow_body.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+    started = time.time()
+    for byte in b"POST / HTTP/1.1\r\nHost: x\r\n":
+        if time.time() - started > 4:
+            break
+        try:
+            trickle.send(bytes([byte]))
+        except OSError:
+            break
+        time.sleep(0.5)
+    for s in (silent, half_header, keep_alive, trickle):
+        assert closed_by_server(s, within=6)
+    slow_body.settimeout(6)
+    answer = slow_body.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 408") and b"--idle-timeout" in answer
+    assert server.metric("serve_idle_closed_total") >= 4
+    assert http("POST", server.url + "/", {"prompt": "Hi", "max_tokens": 2})[0] == 200
+
+
+def test_max_connections_is_enforced_without_a_thread(trained_model, start_server):
+    server = start_server(trained_model, "--length-buckets", "64", "--max-batch-size", "1", "--max-connections", "3")
+    held = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(3)]
+    time.sleep(0.5)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as extra:
+        extra.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = b""
+        while chunk := extra.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503") and b"Retry-After" in head
+    assert "--max-connections 3" in json.loads(body)["error"]["message"]
+    for s in held:
+        s.close()
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        try:
+            if http("GET", server.url + "/health", timeout=5)[0] == 200:
+                break
+        except OSError:
+            pass
+        time.sleep(0.2)
+    else:
+        raise AssertionError("no connection accepted after the held ones closed")
+    assert server.metric("serve_refused_connections_total") >= 1
