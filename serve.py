@@ -16,6 +16,7 @@ request the moment it frees, and stops at its own stop token or max_tokens.
 """
 import argparse
 import collections
+import functools
 import hmac
 import json
 import os
@@ -34,10 +35,20 @@ from pathlib import Path
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
-ARTICLE_TEMPLATE = {"prompt": "Instruction:\n{instruction}\n\nResponse:\n",
-                    "prompt_with_context": "Instruction:\n{instruction}\n\nContext:\n{context}\n\nResponse:\n"}
+# Prompt templates, as train_local.py's (--template) and kept identical to its table.
+TEMPLATES = {
+    "article": {"prompt": "Instruction:\n{instruction}\n\nResponse:\n",
+                "prompt_with_context": "Instruction:\n{instruction}\n\nContext:\n{context}\n\nResponse:\n",
+                "response_suffix": "", "turn_separator": "\n\n"},
+    # Gemma's instruction-tuned turn format; Gemma has no system role, so context joins the user turn.
+    "gemma-chat": {"prompt": "<start_of_turn>user\n{instruction}<end_of_turn>\n<start_of_turn>model\n",
+                   "prompt_with_context": "<start_of_turn>user\n{instruction}\n\n{context}<end_of_turn>\n"
+                                          "<start_of_turn>model\n",
+                   "response_suffix": "<end_of_turn>", "turn_separator": "\n"},
+}
 # Sampling looks at this many most-likely tokens: top_k is capped here and top_p is computed over them.
 CANDIDATES = 128
+TOP_LOGPROBS = 20  # most alternatives a request may ask log-probabilities for (OpenAI's limit)
 DECODE_CHUNK = 4  # tokens decoded per dispatch to the device
 SAMPLER_DEFAULTS = {  # keras-hub's samplers' defaults: the article's "top_k" is TopKSampler(k=5)
     "greedy": {"temperature": 0.0, "top_k": CANDIDATES, "top_p": 1.0},
@@ -235,14 +246,17 @@ def layout_map_for(preset, mesh, model_axis):
     return layout_map
 
 
-def read_prompt_template(model_dir):
-    """The template train_local.py recorded beside the weights; the article's when there is none."""
+def read_prompt_template(model_dir, vocabulary):
+    """The template train_local.py recorded beside the weights. Without a record: Gemma's turn format
+    when the tokenizer knows <start_of_turn> (an instruction-tuned preset), else the article's."""
     record = Path(model_dir) / "training.json"
     if record.is_file():
-        template = json.loads(record.read_text()).get("prompt_template") or {}
-        return {"prompt": template.get("prompt") or ARTICLE_TEMPLATE["prompt"],
-                "prompt_with_context": template.get("prompt_with_context") or ARTICLE_TEMPLATE["prompt_with_context"]}
-    return dict(ARTICLE_TEMPLATE)
+        recorded = json.loads(record.read_text()).get("prompt_template") or {}
+        template = dict(TEMPLATES.get(recorded.get("name"), TEMPLATES["article"]), name=recorded.get("name", "article"))
+        template.update({k: v for k, v in recorded.items() if v is not None and k in template})
+        return template
+    name = "gemma-chat" if "<start_of_turn>" in vocabulary else "article"
+    return dict(TEMPLATES[name], name=name)
 
 
 class Engine:
@@ -265,6 +279,8 @@ class Engine:
         self.distribution = distribution
         tokenizer = tokenizer or model.preprocessor.tokenizer
         self.encode, self.decode = make_text_codec(tokenizer)
+        self.vocabulary_size = model.backbone.vocabulary_size
+        self.pieces = tokenizer.get_vocabulary()
         self.bos, self.pad = tokenizer.start_token_id, tokenizer.pad_token_id or 0
         self.stop_ids = {tokenizer.end_token_id}
         if "<end_of_turn>" in tokenizer.get_vocabulary():
@@ -272,6 +288,7 @@ class Engine:
         self.variables = model.variables
         self.values = [v.value for v in self.variables]
         candidates = min(CANDIDATES, model.backbone.vocabulary_size)
+        self.top_logprobs = top_logprobs = min(TOP_LOGPROBS, candidates)
         build_cache_takes_extras = len(inspect.signature(model._build_cache).parameters) > 1
 
         def stateless(values, fn):
@@ -328,8 +345,14 @@ class Engine:
             # Keyed by (seed, position): a seeded request samples the same tokens whatever it is batched with.
             keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(seeds, positions)
             choice = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, scaled, -jnp.inf))
-            sampled = jnp.take_along_axis(top_ids, choice[:, None], axis=-1)[:, 0]
-            return jnp.where(temperature <= 0, top_ids[:, 0], sampled).astype(jnp.int32)
+            choice = jnp.where(temperature <= 0, 0, choice)
+            token = jnp.take_along_axis(top_ids, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+            # Log-probabilities of the distribution after temperature (greedy: temperature 1), before
+            # top-k/top-p truncation; always computed, so asking for them never compiles anything.
+            t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
+            top_logprobs_all = top_logits / t - jax.nn.logsumexp(logits / t, axis=-1, keepdims=True)
+            token_logprob = jnp.take_along_axis(top_logprobs_all, choice[:, None], axis=-1)[:, 0]
+            return token, (token_logprob, top_logprobs_all[:, :top_logprobs], top_ids[:, :top_logprobs])
 
         def decode_chunk(values, cache, window, tokens, positions, *sampling):
             """DECODE_CHUNK steps per dispatch (the host pays its per-call cost once every few tokens),
@@ -341,12 +364,12 @@ class Engine:
                 view, tokens = carry
                 at = jnp.minimum(positions + offset, window - 1)  # only idle rows get this far
                 logits, view = forward(values, view, tokens, at)
-                tokens = sample(logits, at, *sampling)
-                return (view, tokens), tokens
-            (view, _), sampled = jax.lax.scan(step, (view, tokens), jnp.arange(DECODE_CHUNK))
+                tokens, logprobs = sample(logits, at, *sampling)
+                return (view, tokens), (tokens, logprobs)
+            (view, _), (sampled, logprobs) = jax.lax.scan(step, (view, tokens), jnp.arange(DECODE_CHUNK))
             cache = jax.tree.map(lambda c, v, axis: jax.lax.dynamic_update_slice_in_dim(c, v, 0, axis=axis),
                                  cache, view, position_axes)
-            return sampled, cache
+            return (sampled, logprobs), cache
 
         def programs(batch):
             """(new cache, insert, decode) for one batch size. The cache's layout is pinned so that what
@@ -357,7 +380,8 @@ class Engine:
             new_cache = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
                                 out_shardings=layout)
             return (new_cache, jax.jit(insert, donate_argnums=(0,), out_shardings=layout),
-                    jax.jit(decode_chunk, static_argnums=(2,), donate_argnums=(1,), out_shardings=(None, layout)))
+                    jax.jit(decode_chunk, static_argnums=(2,), donate_argnums=(1,),
+                            out_shardings=((None, None), layout)))
 
         self.programs = {batch: programs(batch) for batch in batch_buckets}
         self._prefill = jax.jit(prefill)
@@ -461,9 +485,11 @@ class DecodeBatch:
         if window is None:
             busy = [self.positions[row] for row, g in enumerate(self.rows) if g is not None]
             window = engine.window_for(max(busy, default=0) + DECODE_CHUNK)
-        sampled, self.cache = self.decode(engine.values, self.cache, window, engine.put(self.tokens),
-                                          engine.put(self.positions), *self.sampling)
+        (sampled, logprobs), self.cache = self.decode(engine.values, self.cache, window, engine.put(self.tokens),
+                                                      engine.put(self.positions), *self.sampling)
         sampled = np.asarray(sampled)
+        if any(g is not None and g.logprobs is not None for g in self.rows):  # fetched only when asked for
+            logprobs = [np.asarray(a) for a in logprobs]
         for row, generation in enumerate(self.rows):
             if generation is None:
                 continue
@@ -471,7 +497,8 @@ class DecodeBatch:
                 if self.positions[row] + offset >= self.length - 1:  # the cache is full (validation prevents it)
                     generation.finish("length", engine)
                     break
-                if generation.accept(int(sampled[offset, row]), engine):
+                alternatives = None if generation.logprobs is None else [a[offset, row] for a in logprobs]
+                if generation.accept(int(sampled[offset, row]), engine, alternatives):
                     break
             if generation.finish_reason is not None:
                 self.rows[row] = None
@@ -495,20 +522,28 @@ class DecodeBatch:
 class Generation:
     """One prompt being decoded: collects tokens, applies stops, reports events for streaming."""
 
-    def __init__(self, prompt_ids, max_tokens, sampling, seed, stop, events, index=0):
+    def __init__(self, prompt_ids, max_tokens, sampling, seed, stop, events, index=0, logprobs=None):
         self.prompt_ids, self.max_tokens, self.sampling, self.seed = prompt_ids, max_tokens, sampling, seed
         self.stop, self.events, self.index = stop, events, index
         self.ids, self.text, self.sent, self.finish_reason = [], "", 0, None
+        # None, or how many alternatives to keep per token: then token_logprobs[i] is
+        # (ids[i], its logprob, [(alternative id, logprob), ...]).
+        self.logprobs, self.token_logprobs, self.logprobs_sent = logprobs, [], 0
         self.cancelled = False  # set by the HTTP thread when the client leaves; the worker acts on it
         self.enqueued = time.time()
         self.started = None
         self.done = threading.Event()
 
-    def accept(self, token, engine):
-        """Takes one generated token; returns True when this generation has finished."""
+    def accept(self, token, engine, alternatives=None):
+        """Takes one generated token (and, when asked for, its log-probabilities: (logprob, top logprobs,
+        top ids)); returns True when this generation has finished."""
         if token in engine.stop_ids:
             return self.finish("stop", engine)
         self.ids.append(token)
+        if alternatives is not None:
+            logprob, top_logprobs, top_ids = alternatives
+            top = list(zip(top_ids[:self.logprobs].tolist(), top_logprobs[:self.logprobs].tolist()))
+            self.token_logprobs.append((token, float(logprob), top))
         if self.follows_text:
             self.text = engine.decode(self.ids)
         for stop in self.stop:
@@ -529,7 +564,9 @@ class Generation:
         if not final and self.stop:
             upto = max(self.sent, upto - max(len(s) for s in self.stop) + 1)
         if upto > self.sent or final:
-            self.events.put((self.index, self.text[self.sent:upto], self.finish_reason if final else None))
+            entries = self.token_logprobs[self.logprobs_sent:]
+            self.logprobs_sent = len(self.token_logprobs)
+            self.events.put((self.index, self.text[self.sent:upto], self.finish_reason if final else None, entries))
             self.sent = upto
 
     @property
@@ -668,7 +705,7 @@ class Server:
         self.state = "loading"
         self.worker = None
         self.engine = None
-        self.template = ARTICLE_TEMPLATE
+        self.template = dict(TEMPLATES["article"], name="article")
         self.model_name = Path(args.model.rstrip("/")).name or args.model
         self.in_flight = 0
         self.lock = threading.Lock()
@@ -690,24 +727,27 @@ def list_models(server, req):
 
 
 def usage_page(server, req):
-    return Reply(payload={"service": "Gemma LoRA server", "endpoints": {
-        "POST /": '{"prompt": "...", "max_tokens": 256} or {"instruction": "...", "context": "..."} '
-                  '-> {"generated_text", "completion", "prompt_tokens", "completion_tokens", "finish_reason"}',
-        "POST /v1/completions": "OpenAI-compatible completions (stream supported)",
-        "GET /v1/models": "the served model", "GET /health": "200 when ready", "GET /metrics": "Prometheus"}})
+    return Reply(payload={"service": "Gemma LoRA server", "openapi": "/openapi.json", "endpoints": {
+        f"{method.upper()} {path}": operation["summary"] for path, methods in OPENAPI["paths"].items()
+        for method, operation in methods.items()}})
+
+
+def openapi_page(server, req):
+    return Reply(payload=OPENAPI)
 
 
 def article_completion(server, req):
     body = req.json()
     if "prompt" in body:
-        prompt = body["prompt"]
+        prompt, stop = body["prompt"], ()
         if not isinstance(prompt, str):
             raise RequestError(400, "'prompt' must be a string")
     elif "instruction" in body:
-        prompt = format_instruction(body, server.template)
+        ready_engine(server)
+        prompt, stop = format_instruction(body, server.template), template_stop(server)
     else:
         raise RequestError(400, "send 'prompt' (raw text) or 'instruction' (with optional 'context')")
-    [g] = wait_for(start_generations(server, req, [prompt], body, default_max_tokens=256), req)
+    [g] = wait_for(start_generations(server, req, [prompt], body, default_max_tokens=256, extra_stop=stop), req)
     return Reply(payload={"generated_text": prompt + g.text, "completion": g.text,
                           "prompt_tokens": len(g.prompt_ids) - 1, "completion_tokens": len(g.ids),
                           "finish_reason": g.finish_reason})
@@ -720,37 +760,239 @@ def completions(server, req):
         prompts = [prompts]
     if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
         raise RequestError(400, "'prompt' must be a string or a non-empty list of strings")
-    if body.get("n", 1) != 1:
-        raise RequestError(400, "only n=1 is supported")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise RequestError(400, "'stream' must be a boolean")
+    engine = ready_engine(server)
+    check_n(body)
+    if body.get("echo"):
+        raise RequestError(400, "'echo' is not supported")
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (not is_int(logprobs) or not 0 <= logprobs <= 5):
+        raise RequestError(400, "'logprobs' must be an integer from 0 to 5")
+    stream, _ = parse_stream(body)
     base = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
             "model": server.model_name}
     if stream:
-        events = queue.Queue()
-        gens = start_generations(server, req, prompts, body, default_max_tokens=16, events=events)
-        render = lambda index, text, reason: base | {"choices": [{"text": text, "index": index, "logprobs": None,
-                                                                  "finish_reason": reason}]}
+        events, offsets = queue.Queue(), collections.defaultdict(int)
+
+        def render(index, text, reason, entries):
+            rendered = None
+            if logprobs is not None:
+                rendered = completion_logprobs(engine, entries, offsets[index])
+                offsets[index] += sum(map(len, rendered["tokens"]))
+            return [base | {"choices": [{"text": text, "index": index, "logprobs": rendered,
+                                         "finish_reason": reason}]}]
+        gens = start_generations(server, req, prompts, body, default_max_tokens=16, events=events, logprobs=logprobs)
         return Reply(stream=stream_events(gens, events, render))
-    gens = wait_for(start_generations(server, req, prompts, body, default_max_tokens=16), req)
-    prompt_tokens = sum(len(g.prompt_ids) - 1 for g in gens)
-    completion_tokens = sum(len(g.ids) for g in gens)
+    gens = wait_for(start_generations(server, req, prompts, body, default_max_tokens=16, logprobs=logprobs), req)
     return Reply(payload=base | {
-        "choices": [{"text": g.text, "index": i, "logprobs": None, "finish_reason": g.finish_reason}
+        "choices": [{"text": g.text, "index": i, "finish_reason": g.finish_reason,
+                     "logprobs": None if logprobs is None else completion_logprobs(engine, kept_logprobs(g, engine))}
                     for i, g in enumerate(gens)],
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens}})
+        "usage": usage(gens)})
+
+
+def chat_completions(server, req):
+    body = req.json()
+    engine = ready_engine(server)
+    for field, what in (("tools", "tool calling"), ("functions", "function calling")):
+        if body.get(field):
+            raise RequestError(400, f"'{field}' is not supported: this server does no {what}")
+    response_format = body.get("response_format")
+    if response_format is not None and (not isinstance(response_format, dict) or response_format.get("type") != "text"):
+        raise RequestError(400, "'response_format' must be {\"type\": \"text\"}: JSON output modes are not supported")
+    check_n(body)
+    prompt = render_chat(parse_messages(body.get("messages")), server.template)
+    logprobs, top_logprobs = body.get("logprobs", False), body.get("top_logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise RequestError(400, "'logprobs' must be a boolean")
+    if top_logprobs is not None and (not is_int(top_logprobs) or not 0 <= top_logprobs <= engine.top_logprobs):
+        raise RequestError(400, f"'top_logprobs' must be an integer from 0 to {engine.top_logprobs}")
+    if top_logprobs is not None and not logprobs:
+        raise RequestError(400, "'top_logprobs' needs 'logprobs': true")
+    keep = (top_logprobs or 0) if logprobs else None
+    stream, include_usage = parse_stream(body)
+    max_tokens_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    base = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion", "created": int(time.time()),
+            "model": server.model_name}
+    start = functools.partial(start_generations, server, req, [prompt], body, default_max_tokens=None, logprobs=keep,
+                              extra_stop=template_stop(server), max_tokens_field=max_tokens_field)
+    if stream:
+        base["object"] = "chat.completion.chunk"
+        events = queue.Queue()
+
+        def chunk(delta, reason=None, entries=None):
+            content = {"content": chat_logprobs(engine, entries)} if keep is not None and entries else None
+            return base | {"choices": [{"index": 0, "delta": delta, "logprobs": content, "finish_reason": reason}]}
+
+        def render(index, text, reason, entries):
+            pieces = [chunk({"content": text}, entries=entries)] if text or entries else []
+            return pieces + ([chunk({}, reason)] if reason else [])
+        gens = start(events=events)
+        return Reply(stream=stream_events(gens, events, render, first=chunk({"role": "assistant", "content": ""}),
+                                          last=(lambda: base | {"choices": [], "usage": usage(gens)})
+                                          if include_usage else None))
+    [g] = wait_for(start(), req)
+    return Reply(payload=base | {
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": g.text},
+                     "logprobs": None if keep is None else {"content": chat_logprobs(engine, kept_logprobs(g, engine))},
+                     "finish_reason": g.finish_reason}],
+        "usage": usage([g])})
+
+
+def tokenize(server, req):
+    body = req.json()
+    engine = ready_engine(server)
+    if "messages" in body:
+        text = render_chat(parse_messages(body["messages"]), server.template)
+    else:
+        text = body.get("prompt")
+        if not isinstance(text, str):
+            raise RequestError(400, "send 'prompt' (a string) or 'messages' (a chat)")
+    add_special_tokens = body.get("add_special_tokens", True)
+    if not isinstance(add_special_tokens, bool):
+        raise RequestError(400, "'add_special_tokens' must be a boolean")
+    tokens = [engine.bos] * add_special_tokens + engine.encode(text)
+    return Reply(payload={"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_length})
+
+
+def detokenize(server, req):
+    body = req.json()
+    engine = ready_engine(server)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(is_int(t) and 0 <= t < engine.vocabulary_size for t in tokens):
+        raise RequestError(400, f"'tokens' must be a list of token ids from 0 to {engine.vocabulary_size - 1}")
+    return Reply(payload={"prompt": engine.decode(tokens)})
 
 
 ROUTES = {
     "/": {"GET": usage_page, "POST": article_completion},
     "/v1/completions": {"POST": completions},
+    "/v1/chat/completions": {"POST": chat_completions},
     "/v1/models": {"GET": list_models},
+    "/tokenize": {"POST": tokenize},
+    "/detokenize": {"POST": detokenize},
     "/health": {"GET": health},
     "/metrics": {"GET": metrics_page},
+    "/openapi.json": {"GET": openapi_page},
 }
-PUBLIC_ROUTES = {"/health"}  # load balancers probe it without credentials
+PUBLIC_ROUTES = {"/health", "/openapi.json"}  # load balancers and client generators read them without a key
+
+
+def _json(schema, description="OK"):
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _operation(summary, reply, body=None, stream=False):
+    """One OpenAPI operation: its request body, its 200 answer (JSON, or server-sent events too) and
+    the error shape every other status has."""
+    ok = _json(reply)
+    if stream:
+        # One schema per event, as OpenAPI 3.2's itemSchema: each `data:` is a JSON chunk or [DONE].
+        ok["content"]["text/event-stream"] = {"itemSchema": {
+            "type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}}
+    operation = {"summary": summary, "responses": {"200": ok, "default": _json({"$ref": "#/components/schemas/Error"},
+                                                                               "error")}}
+    if body is not None:
+        operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
+    return operation
+
+
+_STR, _INT, _NUM, _BOOL = {"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"}
+_SAMPLING = {"temperature": {"type": "number", "minimum": 0, "maximum": 2},
+             "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+             "top_k": {"type": "integer", "minimum": -1}, "seed": _INT,
+             "stop": {"oneOf": [_STR, {"type": "array", "items": _STR, "maxItems": 4}, {"type": "null"}]},
+             "max_tokens": {"type": "integer", "minimum": 1}, "model": _STR}
+_USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+          "properties": {"prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT}}
+_FINISH = {"type": ["string", "null"], "enum": ["stop", "length", None]}
+_TOKEN_LOGPROB = {"type": "object", "required": ["token", "logprob", "bytes"],
+                  "properties": {"token": _STR, "logprob": _NUM, "bytes": {"type": "array", "items": _INT}}}
+_MESSAGE = {"type": "object", "required": ["role"], "properties": {
+    "role": {"enum": ["system", "developer", "user", "assistant"]},
+    "content": {"oneOf": [_STR, {"type": "null"}, {"type": "array", "items": {
+        "type": "object", "required": ["type", "text"], "properties": {"type": {"enum": ["text"]}, "text": _STR}}}]}}}
+OPENAPI = {
+    "openapi": "3.1.0",
+    "info": {"title": "Gemma LoRA server (serve.py)", "version": "2",
+             "description": "The article's API, OpenAI-compatible completions and chat completions, and "
+                            "vLLM-style tokenize/detokenize. Errors are {\"error\": {\"message\", \"type\"}}."},
+    "components": {
+        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
+                                       "description": "required when the server runs with --api-key"}},
+        "schemas": {"Error": {"type": "object", "required": ["error"], "properties": {"error": {
+            "type": "object", "required": ["message", "type"], "properties": {"message": _STR, "type": _STR}}}}}},
+    "security": [{}, {"bearer": []}],
+    "paths": {
+        "/": {
+            "get": _operation("usage", {"type": "object"}),
+            "post": _operation(
+                "the article's API: prompt (or instruction + context) in, generated_text out",
+                {"type": "object", "required": ["generated_text", "completion", "prompt_tokens", "completion_tokens",
+                                                "finish_reason"],
+                 "properties": {"generated_text": _STR, "completion": _STR, "prompt_tokens": _INT,
+                                "completion_tokens": _INT, "finish_reason": _FINISH}},
+                {"type": "object", "properties": {"prompt": _STR, "instruction": _STR,
+                                                  "context": {"type": ["string", "null"]}, **_SAMPLING}})},
+        "/v1/completions": {"post": _operation(
+            "OpenAI completions (streaming: server-sent events ending data: [DONE])",
+            {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"], "properties": {
+                "id": _STR, "object": {"const": "text_completion"}, "created": _INT, "model": _STR, "usage": _USAGE,
+                "choices": {"type": "array", "items": {"type": "object", "required": ["text", "index", "finish_reason"],
+                            "properties": {"text": _STR, "index": _INT, "finish_reason": _FINISH, "logprobs": {
+                                "type": ["object", "null"], "properties": {
+                                    "tokens": {"type": "array", "items": _STR},
+                                    "token_logprobs": {"type": "array", "items": _NUM},
+                                    "top_logprobs": {"type": "array", "items": {"type": "object"}},
+                                    "text_offset": {"type": "array", "items": _INT}}}}}}}},
+            {"type": "object", "required": ["prompt"], "properties": {
+                "prompt": {"oneOf": [_STR, {"type": "array", "items": _STR, "minItems": 1}]},
+                "stream": _BOOL, "n": {"const": 1}, "logprobs": {"type": ["integer", "null"], "minimum": 0,
+                                                                 "maximum": 5},
+                "echo": {"const": False}, **_SAMPLING}},
+            stream=True)},
+        "/v1/chat/completions": {"post": _operation(
+            "OpenAI chat completions, rendered with the model's recorded prompt template",
+            {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"], "properties": {
+                "id": _STR, "object": {"const": "chat.completion"}, "created": _INT, "model": _STR, "usage": _USAGE,
+                "choices": {"type": "array", "items": {
+                    "type": "object", "required": ["index", "message", "finish_reason"], "properties": {
+                        "index": _INT, "finish_reason": _FINISH,
+                        "message": {"type": "object", "required": ["role", "content"],
+                                    "properties": {"role": {"const": "assistant"}, "content": _STR}},
+                        "logprobs": {"type": ["object", "null"], "properties": {"content": {
+                            "type": "array", "items": {"allOf": [_TOKEN_LOGPROB, {"properties": {
+                                "top_logprobs": {"type": "array", "items": _TOKEN_LOGPROB}}}]}}}}}}}}},
+            {"type": "object", "required": ["messages"], "properties": {
+                "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
+                "max_completion_tokens": {"type": "integer", "minimum": 1}, "stream": _BOOL,
+                "stream_options": {"type": ["object", "null"], "properties": {"include_usage": _BOOL}},
+                "n": {"const": 1}, "logprobs": _BOOL, "top_logprobs": {"type": "integer", "minimum": 0,
+                                                                       "maximum": TOP_LOGPROBS},
+                "response_format": {"type": "object", "properties": {"type": {"const": "text"}}}, **_SAMPLING}},
+            stream=True)},
+        "/v1/models": {"get": _operation("the served model", {
+            "type": "object", "required": ["object", "data"], "properties": {"object": {"const": "list"}, "data": {
+                "type": "array", "items": {"type": "object", "required": ["id", "object"],
+                                           "properties": {"id": _STR, "object": {"const": "model"}}}}}})},
+        "/tokenize": {"post": _operation(
+            "text (or a chat, rendered as for chat completions) to token ids",
+            {"type": "object", "required": ["tokens", "count", "max_model_len"],
+             "properties": {"tokens": {"type": "array", "items": _INT}, "count": _INT, "max_model_len": _INT}},
+            {"type": "object", "properties": {"prompt": _STR, "messages": {"type": "array", "items": _MESSAGE},
+                                              "add_special_tokens": _BOOL}})},
+        "/detokenize": {"post": _operation(
+            "token ids to text", {"type": "object", "required": ["prompt"], "properties": {"prompt": _STR}},
+            {"type": "object", "required": ["tokens"], "properties": {"tokens": {
+                "type": "array", "items": {"type": "integer", "minimum": 0}}}})},
+        "/health": {"get": _operation("200 when ready, 503 while loading", {
+            "type": "object", "required": ["status"], "properties": {"status": _STR}}, )},
+        "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {
+            "200": {"description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}},
+            "default": _json({"$ref": "#/components/schemas/Error"}, "error")}}},
+        "/openapi.json": {"get": _operation("this document", {"type": "object"})},
+    },
+}
+OPENAPI["paths"]["/health"]["get"]["responses"]["503"] = OPENAPI["paths"]["/health"]["get"]["responses"]["200"]
 
 
 def is_int(value):
@@ -759,6 +1001,27 @@ def is_int(value):
 
 def is_number(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def ready_engine(server):
+    if server.state != "ready":
+        raise RequestError(503, f"model is {server.state}", "overloaded_error", {"Retry-After": "5"})
+    return server.engine
+
+
+def check_n(body):
+    if body.get("n", 1) != 1:
+        raise RequestError(400, "only n=1 is supported")
+
+
+def parse_stream(body):
+    """(stream, include_usage) from `stream` and `stream_options`."""
+    stream, options = body.get("stream", False), body.get("stream_options") or {}
+    if not isinstance(stream, bool):
+        raise RequestError(400, "'stream' must be a boolean")
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        raise RequestError(400, "'stream_options' must be an object like {\"include_usage\": true}")
+    return stream, options.get("include_usage", False)
 
 
 def format_instruction(body, template):
@@ -772,6 +1035,112 @@ def format_instruction(body, template):
     if context:
         return template["prompt_with_context"].format(instruction=instruction, context=context)
     return template["prompt"].format(instruction=instruction)
+
+
+def template_stop(server):
+    """The template's end-of-answer marker as a stop string, where the tokenizer has no single token
+    for it (then the engine's stop ids cannot catch it)."""
+    suffix = server.template.get("response_suffix") or ""
+    return (suffix,) if suffix and len(server.engine.encode(suffix)) != 1 else ()
+
+
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def parse_messages(messages):
+    """OpenAI chat messages -> [(role, text)], roles system/user/assistant; text parts joined by newlines."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(400, "'messages' must be a non-empty list")
+    parsed = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or message["role"] not in CHAT_ROLES:
+            raise RequestError(400, f"messages[{i}]: 'role' must be one of system, user, assistant")
+        content = message.get("content")
+        if content is None and message["role"] == "assistant":
+            content = ""
+        if isinstance(content, list):
+            if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                       for part in content):
+                raise RequestError(400, f"messages[{i}]: only text content parts ({{\"type\": \"text\", \"text\"}}) "
+                                        "are supported")
+            content = "\n".join(part["text"] for part in content)
+        if not isinstance(content, str):
+            raise RequestError(400, f"messages[{i}]: 'content' must be a string or a list of text parts")
+        parsed.append((CHAT_ROLES[message["role"]], content))
+    return parsed
+
+
+def render_chat(messages, template):
+    """The prompt a conversation becomes: every user/assistant pair as a finished turn of the template,
+    the last user message as an open one. System text goes before the first user message (neither
+    template has a system role), and a single user message gives exactly instruction mode's prompt."""
+    system = "\n\n".join(text for role, text in messages if role == "system")
+    turns = []
+    for role, text in messages:
+        if role == "system":
+            continue
+        if turns and turns[-1][0] == role:
+            turns[-1][1] += "\n\n" + text
+        else:
+            turns.append([role, text])
+    if not turns or turns[0][0] != "user" or turns[-1][0] != "user":
+        raise RequestError(400, "'messages' must start (after system messages) and end with a user message")
+    if system:
+        turns[0][1] = system + "\n\n" + turns[0][1]
+    done = [template["prompt"].format(instruction=user) + answer + template["response_suffix"]
+            for (_, user), (_, answer) in zip(turns[:-1:2], turns[1::2])]
+    return template["turn_separator"].join(done + [template["prompt"].format(instruction=turns[-1][1])])
+
+
+def token_bytes(engine, token_id):
+    """A token's own bytes: SentencePiece's '▁' is a space, '<0xAB>' pieces are single raw bytes."""
+    piece = engine.pieces[token_id]
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        return bytes([int(piece[3:5], 16)])
+    return piece.replace("\u2581", " ").encode()
+
+
+def token_text(engine, token_id):
+    return token_bytes(engine, token_id).decode("utf-8", errors="replace")
+
+
+def kept_logprobs(g, engine):
+    """The log-probability entries of the tokens still in the text after a stop string cut it."""
+    if not g.stop:
+        return g.token_logprobs
+    kept, offset = [], 0
+    for entry in g.token_logprobs:
+        if offset >= len(g.text):
+            break
+        kept.append(entry)
+        offset += len(token_text(engine, entry[0]))
+    return kept
+
+
+def finite(logprob):
+    return max(logprob, -9999.0)  # as OpenAI: JSON has no -Infinity
+
+
+def chat_logprobs(engine, entries):
+    def item(token_id, logprob):
+        raw = token_bytes(engine, token_id)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": finite(logprob), "bytes": list(raw)}
+    return [item(token, logprob) | {"top_logprobs": [item(i, lp) for i, lp in top]} for token, logprob, top in entries]
+
+
+def completion_logprobs(engine, entries, offset=0):
+    """The legacy completions shape; text_offset counts characters from the start of the completion."""
+    tokens = [token_text(engine, token) for token, _, _ in entries]
+    offsets = [offset + sum(map(len, tokens[:i])) for i in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": [finite(lp) for _, lp, _ in entries],
+            "top_logprobs": [{token_text(engine, i): finite(lp) for i, lp in top} for _, _, top in entries],
+            "text_offset": offsets}
+
+
+def usage(gens):
+    prompt_tokens, completion_tokens = sum(len(g.prompt_ids) - 1 for g in gens), sum(len(g.ids) for g in gens)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def parse_sampling(body, sampler, server):
@@ -805,28 +1174,30 @@ def parse_sampling(body, sampler, server):
     return sampling, seed % 2**32, stop
 
 
-def start_generations(server, req, prompts, body, default_max_tokens, events=None):
-    """Validates the generation fields and queues one Generation per prompt (503 when the queue is full)."""
-    if server.state != "ready":
-        raise RequestError(503, f"model is {server.state}", "overloaded_error", {"Retry-After": "5"})
-    args, engine = server.args, server.engine
+def start_generations(server, req, prompts, body, default_max_tokens, events=None, logprobs=None, extra_stop=(),
+                      max_tokens_field="max_tokens"):
+    """Validates the generation fields and queues one Generation per prompt (503 when the queue is full).
+    default_max_tokens None means as many as fit."""
+    engine = ready_engine(server)
+    args = server.args
     sampling, seed, stop = parse_sampling(body, args.sampler, server)
     largest = engine.length_buckets[-1]
-    max_tokens = body.get("max_tokens")
+    max_tokens = body.get(max_tokens_field)
     if max_tokens is not None and (not is_int(max_tokens) or max_tokens < 1):
-        raise RequestError(400, "'max_tokens' must be a positive integer")
+        raise RequestError(400, f"'{max_tokens_field}' must be a positive integer")
     if max_tokens is not None and max_tokens > args.max_tokens_limit:
-        raise RequestError(400, f"'max_tokens' {max_tokens} is over the limit of {args.max_tokens_limit}")
+        raise RequestError(400, f"'{max_tokens_field}' {max_tokens} is over the limit of {args.max_tokens_limit}")
     gens = []
     for i, prompt in enumerate(prompts):
         prompt_ids = [engine.bos] + engine.encode(prompt)
         room = largest - len(prompt_ids)
-        wanted = max_tokens if max_tokens is not None else min(default_max_tokens, room)
+        wanted = max_tokens or min(default_max_tokens or args.max_tokens_limit, room)
         if wanted > room or room < 1:
-            raise RequestError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({wanted}) exceeds the "
+            raise RequestError(400, f"prompt ({len(prompt_ids)} tokens) + {max_tokens_field} ({wanted}) exceeds the "
                                     f"longest sequence this server compiled ({largest}); shorten the prompt "
-                                    "or max_tokens, or start the server with larger --length-buckets")
-        gens.append(Generation(prompt_ids, wanted, sampling, (seed + i) % 2**32, stop, events, i))
+                                    f"or {max_tokens_field}, or start the server with larger --length-buckets")
+        gens.append(Generation(prompt_ids, wanted, sampling, (seed + i) % 2**32, stop + list(extra_stop), events, i,
+                               logprobs))
     try:
         server.worker.submit(gens)
     except QueueFull:
@@ -850,19 +1221,27 @@ def wait_for(gens, req):
     return gens
 
 
-def stream_events(gens, events, render):
-    """Server-sent events: one chunk per piece of text, `data: [DONE]` last. Yields None while nothing
-    is ready, so the plumbing can check on the client; closing the stream cancels what is left."""
+def stream_events(gens, events, render, first=None, last=None):
+    """Server-sent events: `first`, then what render(index, text, finish_reason, logprob entries) makes
+    of each piece, then last() and `data: [DONE]`. Yields None while nothing is ready, so the plumbing
+    can check on the client; closing the stream cancels what is left."""
+    def sse(payload):
+        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
     try:
+        if first is not None:
+            yield sse(first)
         finished = 0
         while finished < len(gens):
             try:
-                index, text, reason = events.get(timeout=0.05)
+                index, text, reason, entries = events.get(timeout=0.05)
             except queue.Empty:
                 yield None
                 continue
             finished += reason is not None
-            yield f"data: {json.dumps(render(index, text, reason), ensure_ascii=False)}\n\n".encode()
+            for payload in render(index, text, reason, entries):
+                yield sse(payload)
+        if last is not None:
+            yield sse(last())
         yield b"data: [DONE]\n\n"
     finally:
         for g in gens:
@@ -996,20 +1375,12 @@ class Handler(BaseHTTPRequestHandler):
             return False
         return super().handle_expect_100()
 
-    def do_GET(self):
-        self.dispatch("GET")
-
-    def do_POST(self):
-        self.dispatch("POST")
-
-    def do_PUT(self):
-        self.dispatch("PUT")
-
-    def do_DELETE(self):
-        self.dispatch("DELETE")
-
-    def do_PATCH(self):
-        self.dispatch("PATCH")
+    def __getattr__(self, name):
+        """Every method (do_GET, do_POST, …, even unknown ones) goes through dispatch: the route table
+        answers 404/405 itself, where the standard library would answer 501."""
+        if name.startswith("do_"):
+            return lambda: self.dispatch(name[3:])
+        raise AttributeError(name)
 
     # -------------------------------------------------------------- one request
     def dispatch(self, method):
@@ -1107,6 +1478,10 @@ class Handler(BaseHTTPRequestHandler):
             raise RequestError(400, f"body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
         if not isinstance(body, dict):
             raise RequestError(400, f"body must be a JSON object, got {type(body).__name__}")
+        try:
+            json.dumps(body, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise RequestError(400, "body holds a lone surrogate escape (\\ud800-\\udfff), which is not text") from None
         return body
 
     def read_body(self, length):
@@ -1187,7 +1562,8 @@ class Handler(BaseHTTPRequestHandler):
         for k, v in (headers or {}).items():
             self.send_header(k, v)
         self.end_headers()
-        self.wfile.write(body)
+        if self.command != "HEAD":
+            self.wfile.write(body)
 
     def send_error_reply(self, error):
         self.send_json(error.status, {"error": {"message": str(error), "type": error.kind}}, error.headers)
@@ -1245,7 +1621,7 @@ def load(server):
         distribution, batch_axis = setup_distribution(args)
         started = time.time()
         model = keras_hub.models.CausalLM.from_preset(args.model)
-        server.template = read_prompt_template(args.model)
+        server.template = read_prompt_template(args.model, model.preprocessor.tokenizer.get_vocabulary())
         log(f"model: {type(model).__name__} from {args.model} loaded in {time.time() - started:.1f}s")
         server.state = "warming"
         engine = Engine(model, batch_buckets(args.max_batch_size, batch_axis), args.length_buckets, distribution)

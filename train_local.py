@@ -28,10 +28,19 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 
 DOLLY_URL = ("https://huggingface.co/datasets/databricks/databricks-dolly-15k/resolve/main/"
              "databricks-dolly-15k.jsonl")
-# The article's template. The Context form is used only with --use-context, and only for
-# records whose context is non-empty.
-PROMPT_TEMPLATE = "Instruction:\n{instruction}\n\nResponse:\n"
-PROMPT_TEMPLATE_WITH_CONTEXT = "Instruction:\n{instruction}\n\nContext:\n{context}\n\nResponse:\n"
+# Prompt templates (--template; serve.py holds the same table). The Context form is used only with
+# --use-context, and only for records whose context is non-empty. `response_suffix` ends every trained
+# answer; `turn_separator` joins the turns of a conversation when serve.py renders a chat.
+TEMPLATES = {
+    "article": {"prompt": "Instruction:\n{instruction}\n\nResponse:\n",
+                "prompt_with_context": "Instruction:\n{instruction}\n\nContext:\n{context}\n\nResponse:\n",
+                "response_suffix": "", "turn_separator": "\n\n"},
+    # Gemma's instruction-tuned turn format; Gemma has no system role, so context joins the user turn.
+    "gemma-chat": {"prompt": "<start_of_turn>user\n{instruction}<end_of_turn>\n<start_of_turn>model\n",
+                   "prompt_with_context": "<start_of_turn>user\n{instruction}\n\n{context}<end_of_turn>\n"
+                                          "<start_of_turn>model\n",
+                   "response_suffix": "<end_of_turn>", "turn_separator": "\n"},
+}
 RUN_RECORD = "training.json"
 ADAPTER_FILE = "adapter.lora.h5"
 CHECKPOINT_FILE = "checkpoint.npz"
@@ -53,6 +62,9 @@ def parse_args(argv=None):
     g.add_argument("--learning-rate", type=float, default=5e-5)
 
     g = p.add_argument_group("what is trained (each changes the result; defaults are the article's)")
+    g.add_argument("--template", choices=sorted(TEMPLATES), default="article",
+                   help="prompt format: 'article' (Instruction:/Response:) or 'gemma-chat' (Gemma's "
+                        "<start_of_turn> turns, answers end with <end_of_turn>); recorded for serve.py")
     g.add_argument("--use-context", action="store_true",
                    help="put Dolly's context into the prompt under a 'Context:' heading")
     g.add_argument("--loss-on", choices=["all", "response"], default="all",
@@ -187,10 +199,11 @@ def read_records(path, args):
 
 
 def format_prompt(record, args):
+    template = TEMPLATES[args.template]
     context = record.get(args.context_field) or "" if args.use_context else ""
     if context:
-        return PROMPT_TEMPLATE_WITH_CONTEXT.format(instruction=record[args.instruction_field], context=context)
-    return PROMPT_TEMPLATE.format(instruction=record[args.instruction_field])
+        return template["prompt_with_context"].format(instruction=record[args.instruction_field], context=context)
+    return template["prompt"].format(instruction=record[args.instruction_field])
 
 
 def load_data(args):
@@ -200,7 +213,7 @@ def load_data(args):
     limit = args.limit or math.inf
     train, held_out = [], []
     for _, record in read_records(path, args):
-        pair = (format_prompt(record, args), record[args.response_field])
+        pair = (format_prompt(record, args), record[args.response_field] + TEMPLATES[args.template]["response_suffix"])
         if len(train) < limit:
             train.append(pair)
         elif len(held_out) < args.eval_examples:
@@ -548,7 +561,7 @@ class Trainer:
 # Arguments that must match for a checkpoint to be resumed.
 RESUME_KEYS = ("model", "data", "limit", "lora_rank", "sequence_length", "batch_size", "epochs", "learning_rate",
                "use_context", "loss_on", "dtype", "seed", "max_steps", "buckets", "instruction_field",
-               "context_field", "response_field")
+               "context_field", "response_field", "template")
 
 
 def save_checkpoint(work_dir, trainer, step, history, eval_before, args):
@@ -743,8 +756,9 @@ def main(argv=None):
     trainer.write_back()
     record = {
         "args": vars(args),
-        "prompt_template": {"prompt": PROMPT_TEMPLATE,
-                            "prompt_with_context": PROMPT_TEMPLATE_WITH_CONTEXT if args.use_context else None},
+        "prompt_template": TEMPLATES[args.template] | {
+            "name": args.template, "prompt_with_context": TEMPLATES[args.template]["prompt_with_context"]
+            if args.use_context else None},
         "history": history,
         "eval_loss_before": eval_before,
         "eval_loss_after": eval_after,
