@@ -1016,7 +1016,8 @@ def check_n(body):
 
 def parse_stream(body):
     """(stream, include_usage) from `stream` and `stream_options`."""
-    stream, options = body.get("stream", False), body.get("stream_options") or {}
+    stream, options = body.get("stream", False), body.get("stream_options")
+    options = {} if options is None else options
     if not isinstance(stream, bool):
         raise RequestError(400, "'stream' must be a boolean")
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):

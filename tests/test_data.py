@@ -53,6 +53,18 @@ def test_context_template_only_with_flag_and_non_empty_context():
         "Instruction:\nSummarise.\n\nResponse:\n"
 
 
+def test_gemma_chat_template_wraps_turns_and_ends_answers_with_end_of_turn(tmp_path, encode, tiny_model):
+    path = write_lines(tmp_path, [json.dumps({"instruction": "Summarise.", "context": "A text.", "response": "Short."})])
+    train, _ = train_local.load_data(args_for(path, template="gemma-chat", use_context=True, eval_examples=0))
+    assert train == [("<start_of_turn>user\nSummarise.\n\nA text.<end_of_turn>\n<start_of_turn>model\n",
+                      "Short.<end_of_turn>")]
+    # The tiny tokenizer, like Gemma 2/3's, has the markers as single tokens: the answer ends <end_of_turn> <eos>.
+    [(ids, weights)], _, _ = train_local.tokenize(train, encode, FakeTokenizer, 64, "response")
+    end_of_turn = spm.SentencePieceProcessor(model_file=str(tiny_model / "tokenizer.model")).piece_to_id("<end_of_turn>")
+    assert encode("<end_of_turn>") == [end_of_turn]
+    assert ids[-2:].tolist() == [end_of_turn, FakeTokenizer.end_token_id] and weights[-2:].tolist() == [1.0, 1.0]
+
+
 def test_custom_field_names(tmp_path):
     path = write_lines(tmp_path, [json.dumps({"q": "Why?", "a": "Because."})])
     args = args_for(path, instruction_field="q", response_field="a", eval_examples=0)
