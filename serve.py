@@ -23,7 +23,7 @@ import os
 import queue
 import random
 import re
-import select
+import selectors
 import signal
 import socket
 import sys
@@ -663,6 +663,8 @@ class Worker:
                 self.waiting.remove(g)
                 g.finish("cancelled")
             decoding.release_cancelled()
+            if not decoding.active and decoding.size > self.engine.batch_for(len(self.waiting)):
+                return  # emptied (its clients left): what waits now gets a batch of its own size
             while taking and self.waiting and decoding.free_rows:
                 decoding.admit(self.waiting.popleft())
             if taking and self.waiting and decoding.size < self.max_batch_size:
@@ -675,7 +677,7 @@ class Worker:
 
 # ----------------------------------------------------------------------------- API
 # One small function per route: parse -> validate -> generations -> render. Each takes the shared
-# Server state and the request (`req`: .json(), .client_gone(), .headers, .generations) and returns a
+# Server state and the request (`req`: .json(), .headers, .watch(generations)) and returns a
 # Reply; the HTTP plumbing further down does status lines, errors, auth, metrics and logging.
 
 class RequestError(Exception):
@@ -1204,19 +1206,16 @@ def start_generations(server, req, prompts, body, default_max_tokens, events=Non
     except QueueFull:
         raise RequestError(503, "server is busy: request queue is full", "overloaded_error",
                            {"Retry-After": "1"}) from None
-    req.generations = gens
+    req.watch(gens)  # a client that hangs up from here on has them cancelled
     return gens
 
 
 def wait_for(gens, req):
-    """Blocks until every generation has ended. A client that leaves meanwhile has its generations
-    cancelled, so the worker does not decode tokens nobody will read."""
+    """Blocks until every generation has ended; ClientGone if they were cancelled because the client left."""
     for g in gens:
-        while not g.done.wait(0.05):
-            if req.client_gone():
-                for other in gens:
-                    other.cancel()
-                raise ClientGone()
+        g.done.wait()
+    if any(g.finish_reason == "cancelled" for g in gens):
+        raise ClientGone()
     if any(g.finish_reason == "error" for g in gens):
         raise RequestError(500, "generation failed", "server_error")
     return gens
@@ -1224,8 +1223,7 @@ def wait_for(gens, req):
 
 def stream_events(gens, events, render, first=None, last=None):
     """Server-sent events: `first`, then what render(index, text, finish_reason, logprob entries) makes
-    of each piece, then last() and `data: [DONE]`. Yields None while nothing is ready, so the plumbing
-    can check on the client; closing the stream cancels what is left."""
+    of each piece, then last() and `data: [DONE]`. Closing the stream cancels what is left."""
     def sse(payload):
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
     try:
@@ -1233,11 +1231,9 @@ def stream_events(gens, events, render, first=None, last=None):
             yield sse(first)
         finished = 0
         while finished < len(gens):
-            try:
-                index, text, reason, entries = events.get(timeout=0.05)
-            except queue.Empty:
-                yield None
-                continue
+            index, text, reason, entries = events.get()
+            if reason == "cancelled":
+                raise ClientGone()
             finished += reason is not None
             for payload in render(index, text, reason, entries):
                 yield sse(payload)
@@ -1268,6 +1264,7 @@ class Listener(ThreadingHTTPServer):
         self.deadlines = {}  # open connection -> when the reaper closes it; None while a request runs
         self.deadlines_lock = threading.Lock()
         super().__init__((app.args.host, app.args.port), Handler)
+        self.hangups = Hangups()
         threading.Thread(target=self.reap, daemon=True, name="reaper").start()
 
     def process_request(self, request, client_address):
@@ -1283,9 +1280,10 @@ class Listener(ThreadingHTTPServer):
     def shutdown_request(self, request):
         with self.deadlines_lock:
             self.deadlines.pop(request, None)
+        self.hangups.forget(request)
         super().shutdown_request(request)
 
-    def watch(self, connection, deadline):
+    def set_deadline(self, connection, deadline):
         with self.deadlines_lock:
             if connection in self.deadlines:
                 self.deadlines[connection] = deadline
@@ -1307,6 +1305,45 @@ class Listener(ThreadingHTTPServer):
                     connection.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+
+
+class Hangups:
+    """One thread that learns from the OS (epoll, kqueue) the moment a client closes, half-closes or
+    resets a connection whose generations are running, and cancels them, so the worker frees their
+    rows at its next chunk and the handler threads need not poll their sockets."""
+
+    def __init__(self):
+        self.selector = selectors.DefaultSelector()
+        self.lock = threading.Lock()
+        threading.Thread(target=self.run, daemon=True, name="hangups").start()
+
+    def watch(self, connection, generations):
+        with self.lock:
+            try:
+                self.selector.register(connection, selectors.EVENT_READ, generations)
+            except (KeyError, ValueError):  # already watched (a keep-alive connection's next request)
+                self.selector.modify(connection, selectors.EVENT_READ, generations)
+
+    def forget(self, connection):
+        with self.lock:
+            try:
+                self.selector.unregister(connection)
+            except (KeyError, ValueError):
+                pass
+
+    def run(self):
+        while True:
+            for key, _ in self.selector.select(timeout=0.5):
+                try:  # readable: the end of the stream, a reset, or (rarely) a pipelined next request
+                    gone = key.fileobj.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError:
+                    gone = True
+                self.forget(key.fileobj)  # either way there is nothing more to learn from it
+                if gone:
+                    for g in key.data:
+                        g.cancel()
 
 
 def refuse_connection(connection, limit):
@@ -1345,7 +1382,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def handle_one_request(self):
         # Idle, or still sending its request line and headers: the reaper closes it at the deadline.
-        self.server.watch(self.connection, time.time() + self.server.app.args.idle_timeout)
+        self.server.set_deadline(self.connection, time.time() + self.server.app.args.idle_timeout)
         self.request_id, self.generations, self.body_read = None, [], False
         super().handle_one_request()
 
@@ -1386,7 +1423,7 @@ class Handler(BaseHTTPRequestHandler):
     # -------------------------------------------------------------- one request
     def dispatch(self, method):
         app = self.server.app
-        self.server.watch(self.connection, None)  # busy: body reads and writes keep their own deadlines
+        self.server.set_deadline(self.connection, None)  # busy: body reads and writes keep their own deadlines
         started, path = time.time(), self.path.split("?", 1)[0]
         status = 500
         with app.lock:
@@ -1412,6 +1449,7 @@ class Handler(BaseHTTPRequestHandler):
         finally:
             with app.lock:
                 app.in_flight -= 1
+            self.server.hangups.forget(self.connection)
         if status == 499:
             self.close_connection = True
         elif not self.body_read:
@@ -1540,17 +1578,9 @@ class Handler(BaseHTTPRequestHandler):
             except OSError:
                 pass
 
-    def client_gone(self):
-        """True once the client has closed (or half-closed) or reset its end. Peeks, so a pipelined
-        next request stays where it is."""
-        try:
-            if not select.select([self.connection], [], [], 0)[0]:
-                return False
-            return self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-        except (BlockingIOError, InterruptedError):
-            return False
-        except OSError:
-            return True
+    def watch(self, generations):
+        self.generations = generations
+        self.server.hangups.watch(self.connection, generations)
 
     # -------------------------------------------------------------- writing
     def send_json(self, status, payload, headers=None):
@@ -1584,10 +1614,6 @@ class Handler(BaseHTTPRequestHandler):
         self.close_connection = True
         try:
             for chunk in reply.stream:
-                if chunk is None:
-                    if self.client_gone():
-                        raise ClientGone()
-                    continue
                 self.wfile.write(chunk)
                 self.wfile.flush()
         finally:

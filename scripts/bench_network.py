@@ -6,7 +6,8 @@ For each server, in turn:
 - bursts: N clients connect at once, each sending one short request; counted by outcome (200, 503,
   connection error: reset, refused or timed out);
 - the latency of one short request (16 new tokens) on an idle server, then while --idle connections
-  sit open sending nothing, then right after --abandon clients sent a 400-token request and hung up.
+  sit open sending nothing, then right after --abandon clients sent a 400-token request and hung up
+  (median over --rounds).
 The article's server reads max_tokens as total length, so it is sent prompt tokens + new tokens.
 """
 import argparse
@@ -34,6 +35,7 @@ def parse_args():
     p.add_argument("--bursts", default="120,500")
     p.add_argument("--idle", type=int, default=300)
     p.add_argument("--abandon", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=5, help="abandon-then-time rounds (default: 5)")
     p.add_argument("--timeout", type=float, default=60, help="client timeout for each request")
     p.add_argument("--article", default=str(ARTICLE))
     return p.parse_args()
@@ -104,8 +106,12 @@ def measure(name, port, short, long, args):
     for s in idle:
         s.close()
     time.sleep(1)
-    abandon(port, args.abandon, long)
-    row[f"after {args.abandon} abandoned 400-token requests"] = latency(url, short, args.timeout, repeats=1)
+    after = []
+    for _ in range(args.rounds):  # each round: the clients leave, then the short request is timed
+        abandon(port, args.abandon, long)
+        after.append(latency(url, short, args.timeout, repeats=1))
+        time.sleep(1)
+    row[f"after {args.abandon} abandoned 400-token requests (median of {args.rounds})"] = statistics.median(after)
     print(f"{name}: {row}", flush=True)
     return row
 
