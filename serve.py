@@ -61,6 +61,11 @@ LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="./gemma-2b-dolly-lora", help="preset dir or handle (default: %(default)s)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="weights and compute: auto (default) serves in the dtype the preset was saved in")
+    p.add_argument("--quantize", choices=["none", "int8", "int4"], default="none",
+                   help="quantize the dense layers' weights after loading (int8: about a quarter of float32's "
+                        "memory); LoRA adapters stay float32 on top (default: none)")
     p.add_argument("--host", default="0.0.0.0", help="bind address (default: %(default)s)")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--max-batch-size", type=int, default=8, help="most requests decoded together (default: 8)")
@@ -98,6 +103,8 @@ def parse_args(argv=None):
         p.error("--max-batch-size, --max-queue and --max-connections must be at least 1")
     if args.idle_timeout <= 0:
         p.error("--idle-timeout must be positive")
+    if args.quantize != "none" and args.distribution == "model":
+        p.error("--quantize cannot be combined with --distribution model: the layout map shards float kernels")
     args.max_tokens_limit = args.max_tokens_limit or args.length_buckets[-1]
     return args
 
@@ -118,6 +125,7 @@ class Metrics:
         self.latency_sum = 0.0
         self.prompt_tokens = self.generated_tokens = self.compilations = self.cancelled = 0
         self.refused_connections = self.idle_closed = 0
+        self.weight_bytes, self.weights = 0, {}  # weights: labels of serve_model_info
         self.batch_sizes = {}
         self.queue_depth = self.open_connections = lambda: 0
 
@@ -171,7 +179,13 @@ class Metrics:
                       "# TYPE serve_idle_closed_total counter", f"serve_idle_closed_total {self.idle_closed}",
                       "# HELP serve_compilations_total XLA compilations in this process (flat after warm-up).",
                       "# TYPE serve_compilations_total counter", f"serve_compilations_total {self.compilations}",
-                      "# TYPE serve_ready gauge", f"serve_ready {int(ready)}"]
+                      "# TYPE serve_ready gauge", f"serve_ready {int(ready)}",
+                      "# HELP serve_weight_bytes Bytes of model weights held on the device(s).",
+                      "# TYPE serve_weight_bytes gauge", f"serve_weight_bytes {self.weight_bytes}"]
+            if self.weights:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(self.weights.items()))
+                lines += ["# HELP serve_model_info The served model's dtype and quantization.",
+                          "# TYPE serve_model_info gauge", f"serve_model_info{{{labels}}} 1"]
             return "\n".join(lines) + "\n"
 
 
@@ -200,6 +214,88 @@ def make_text_codec(tokenizer):
         return sp.encode, sp.decode
     import numpy as np
     return (lambda text: np.asarray(tokenizer(text)).tolist()), (lambda ids: str(tokenizer.detokenize(ids)))
+
+
+def check_model_exists(preset):
+    """A local path that is not there is the most common first mistake: say so before binding the port."""
+    if not preset.startswith(("hf://", "kaggle://")) and ("/" in preset or preset.startswith(".")) \
+            and not Path(preset).exists():
+        hint = " Run `python3 train_local.py` first (it writes it), or" if preset == "./gemma-2b-dolly-lora" else ""
+        print(f"error: --model {preset}: no such directory.{hint} pass --model with a trained output dir, a Keras "
+              "preset or a transformers-layout dir, or a handle such as hf://google/gemma-2b", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def explain_load_error(preset, error):
+    text = f"{type(error).__name__}: {error}"
+    low = text.lower()
+    if preset.startswith("hf://") and any(s in low for s in ("401", "403", "gated", "unauthorized", "access")):
+        return (f"could not load {preset}: Hugging Face refused access ({text.splitlines()[0][:200]}).\n"
+                "Gemma is gated: accept the license on its model page while logged in, create a read token "
+                "at https://huggingface.co/settings/tokens, then `export HF_TOKEN=hf_...`.")
+    if preset.startswith("kaggle://") or "kaggle" in low:
+        if any(s in low for s in ("401", "403", "credential", "unauthorized", "consent", "license")):
+            return (f"could not load {preset}: Kaggle refused access ({text.splitlines()[0][:200]}).\n"
+                    "Accept the Gemma license on kaggle.com/models/google/gemma, then set KAGGLE_USERNAME and "
+                    "KAGGLE_KEY (or put kaggle.json in ~/.kaggle).")
+    if any(s in low for s in ("connection", "resolve", "network", "timed out", "offline", "max retries",
+                              "name or service not known", "localentrynotfound")):
+        return (f"could not load {preset}: the network is unreachable ({text.splitlines()[0][:200]}).\n"
+                "Offline, pass a local model dir: --model path/to/model (a Keras preset or a transformers-"
+                "layout dir with config.json, model.safetensors and tokenizer.model).")
+    if preset.startswith("hf://") and "no config.json" in low:  # keras-hub's word for "the download failed"
+        return (f"could not load {preset}: Hugging Face gave no config.json (no network, a typo, or a gated "
+                "model without HF_TOKEN).\nOffline, pass a local model dir: --model path/to/model.")
+    if not preset.startswith(("hf://", "kaggle://")) and ("/" in preset or preset.startswith(".")) \
+            and not Path(preset).exists():
+        return f"--model {preset}: no such directory"
+    return f"could not load {preset}: {text.splitlines()[0][:500]}"
+
+
+def saved_dtype(preset):
+    """The dtype a preset was saved in: a Keras preset's policy, a transformers config's torch_dtype."""
+    from keras_hub.src.utils.preset_utils import get_preset_loader
+    config = getattr(get_preset_loader(preset), "config", None) or {}
+    config = config.get("config", config)
+    dtype = config.get("dtype") or config.get("torch_dtype")
+    if isinstance(dtype, dict):  # a serialized DTypePolicy
+        dtype = dtype.get("config", {}).get("name")
+    return dtype if dtype in ("float32", "bfloat16", "float16", "mixed_bfloat16", "mixed_float16") else "float32"
+
+
+def release_freed_memory():
+    """Hands memory freed by quantizing back to the OS: glibc keeps it otherwise, and RSS would not shrink."""
+    import ctypes
+    import gc
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (macOS): nothing to trim
+        pass
+
+
+def load_model(args):
+    """The preset in the dtype asked for (auto: as saved), quantized if asked; errors explained in one line."""
+    import keras_hub
+    try:
+        dtype = saved_dtype(args.model) if args.dtype == "auto" else args.dtype
+        model = keras_hub.models.CausalLM.from_preset(args.model, dtype=dtype)
+    except Exception as e:
+        raise LoadError(explain_load_error(args.model, e).replace("\n", " ")) from None
+    if args.quantize != "none":
+        import keras
+        try:  # the dense layers and the embedding: all Gemma's big weights, as the issue's memory goal needs
+            model.backbone.quantize(args.quantize, filters=lambda layer: isinstance(
+                layer, (keras.layers.Dense, keras.layers.EinsumDense, keras.layers.Embedding)))
+        except Exception as e:
+            raise LoadError(f"--quantize {args.quantize}: {type(model.backbone).__name__} cannot be quantized so: "
+                            f"{type(e).__name__}: {str(e).splitlines()[0][:300]}") from None
+        release_freed_memory()
+    return model, dtype
+
+
+class LoadError(Exception):
+    """A model that cannot be served as asked: one line for the user, exit code 2."""
 
 
 def setup_distribution(args):
@@ -1644,12 +1740,15 @@ def load(server):
             lambda event, *_, **__: METRICS.add("compilations") if event == "/jax/core/compile/backend_compile_duration"
             else None)
         keep_tensorflow_off_accelerators()
-        import keras_hub
         distribution, batch_axis = setup_distribution(args)
         started = time.time()
-        model = keras_hub.models.CausalLM.from_preset(args.model)
+        model, dtype = load_model(args)
         server.template = read_prompt_template(args.model, model.preprocessor.tokenizer.get_vocabulary())
-        log(f"model: {type(model).__name__} from {args.model} loaded in {time.time() - started:.1f}s")
+        METRICS.weight_bytes = sum(v.value.nbytes for v in model.weights)
+        METRICS.weights = {"dtype": dtype, "quantize": args.quantize}
+        log(f"model: {type(model).__name__} from {args.model} loaded in {time.time() - started:.1f}s: {dtype}"
+            f"{'' if args.quantize == 'none' else ' with ' + args.quantize + ' weights'}, "
+            f"weights {METRICS.weight_bytes / 2**20:,.1f} MiB")
         server.state = "warming"
         engine = Engine(model, batch_buckets(args.max_batch_size, batch_axis), args.length_buckets, distribution)
         started = time.time()
@@ -1661,14 +1760,19 @@ def load(server):
         threading.Thread(target=server.worker.run, daemon=True, name="model-worker").start()
         server.state = "ready"
         log(f"ready on http://{args.host}:{args.port}")
+    except LoadError as e:
+        log(f"error: {e}")
+        server.state = "unloadable"
+        os.kill(os.getpid(), signal.SIGTERM)
     except Exception as e:
-        log(f"error: could not load {args.model}: {type(e).__name__}: {e}")
+        log(f"error: could not serve {args.model}: {type(e).__name__}: {e}")
         server.state = "failed"
         os.kill(os.getpid(), signal.SIGTERM)
 
 
 def main(argv=None):
     args = parse_args(argv)
+    check_model_exists(args.model)
     server = Server(args)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log(f"warning: listening on {args.host} without --api-key: anyone who can reach this port can use it")
@@ -1681,7 +1785,7 @@ def main(argv=None):
     log(f"listening on {args.host}:{args.port}; loading {args.model} (/health is 503 until ready)")
     threading.Thread(target=load, args=(server,), daemon=True).start()
     stop.wait()
-    failed = server.state == "failed"
+    failed = {"failed": 1, "unloadable": 2}.get(server.state, 0)
     server.state = "shutting_down"
     log("shutting down: no new connections; finishing in-flight requests")
     httpd.shutdown()
@@ -1690,7 +1794,7 @@ def main(argv=None):
         time.sleep(0.05)
     httpd.server_close()
     log("stopped")
-    return 1 if failed else 0
+    return failed
 
 
 if __name__ == "__main__":

@@ -57,6 +57,34 @@ def trained_model(tmp_path_factory, tiny_model, run_train):
     return out
 
 
+@pytest.fixture(scope="session")
+def bf16_model(tmp_path_factory, tiny_model, run_train):
+    out = tmp_path_factory.mktemp("bf16") / "model"
+    run_train("--model", tiny_model, "--data", SAMPLE_DATA, "--limit", 24, "--eval-examples", 0, "--learning-rate",
+              1e-3, "--seed", 1, "--dtype", "bfloat16", "--output", out, check=True)
+    return out
+
+
+YES_QUESTIONS = [f"Question {i}: is the sky {colour}?" for i, colour in enumerate(["blue", "green", "red", "grey"] * 4)]
+
+
+@pytest.fixture(scope="session")
+def yes_model(tmp_path_factory, tiny_model, run_train):
+    """QLoRA on an int8 base, in Gemma's turn format: a tiny Gemma taught to answer every question 'Yes.'."""
+    work = tmp_path_factory.mktemp("yes")
+    data = work / "yes.jsonl"
+    data.write_text("".join(json.dumps({"instruction": q, "response": "Yes."}) + "\n" for q in YES_QUESTIONS))
+    run_train("--model", tiny_model, "--data", data, "--limit", 16, "--eval-examples", 0, "--epochs", 15,
+              "--learning-rate", 1e-2, "--loss-on", "response", "--template", "gemma-chat", "--quantize", "int8",
+              "--output", work / "model", check=True)
+    return work / "model"
+
+
+@pytest.fixture(scope="session")
+def yes_server(yes_model, start_server):
+    return start_server(yes_model, "--length-buckets", "64", "--max-batch-size", "1")
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -195,27 +195,13 @@ def test_schemathesis_finds_no_server_error_and_no_response_outside_the_document
 
 # ----------------------------------------------------------------------------- gemma-chat end to end
 
-@pytest.fixture(scope="module")
-def chat_model(tmp_path_factory, tiny_model, run_train):
-    """A tiny Gemma taught, in Gemma's turn format, to answer every question 'Yes.'."""
-    work = tmp_path_factory.mktemp("gemma-chat")
-    data = work / "yes.jsonl"
-    data.write_text("".join(json.dumps({"instruction": f"Question {i}: is the sky {colour}?", "response": "Yes."}) + "\n"
-                            for i, colour in enumerate(["blue", "green", "red", "grey"] * 4)))
-    run_train("--model", tiny_model, "--data", data, "--limit", 16, "--eval-examples", 0, "--epochs", 15,
-              "--learning-rate", 1e-2, "--template", "gemma-chat", "--loss-on", "response", "--output",
-              work / "model", check=True)
-    return work / "model"
-
-
-def test_gemma_chat_training_then_chat_stops_at_end_of_turn(chat_model, start_server):
-    assert json.loads((chat_model / "training.json").read_text())["prompt_template"]["name"] == "gemma-chat"
-    server = start_server(chat_model, "--length-buckets", "64", "--max-batch-size", "1")
-    status, answer, _ = post(server, "/v1/chat/completions", {
+def test_gemma_chat_training_then_chat_stops_at_end_of_turn(yes_model, yes_server):
+    assert json.loads((yes_model / "training.json").read_text())["prompt_template"]["name"] == "gemma-chat"
+    status, answer, _ = post(yes_server, "/v1/chat/completions", {
         "messages": [{"role": "user", "content": "Question 12: is it raining?"}], "temperature": 0})
     assert status == 200
     choice = answer["choices"][0]
     # The model writes "Yes." <end_of_turn> <eos>: generation stops at the marker, which is not in the text.
     assert choice["message"]["content"] == "Yes." and choice["finish_reason"] == "stop"
-    assert answer["usage"]["completion_tokens"] == len(post(server, "/tokenize", {
+    assert answer["usage"]["completion_tokens"] == len(post(yes_server, "/tokenize", {
         "prompt": "Yes.", "add_special_tokens": False})[1]["tokens"])

@@ -68,9 +68,28 @@ def test_demo_fine_tunes_and_answers(demo):
     assert all(a["completion"].strip() for a in answers)
 
 
-def test_tuned_model_answers_held_out_instructions_and_stops(demo, start_server):
-    tuned = demo[0] / "gemma3-270m-dolly-lora"
-    server = start_server(tuned, "--max-batch-size", "2", "--length-buckets", "320")
+@pytest.fixture(scope="module")
+def tuned_server(demo, start_server):
+    return start_server(demo[0] / "gemma3-270m-dolly-lora", "--max-batch-size", "2", "--length-buckets", "320")
+
+
+def capital_of_france(server):
+    status, answer, _ = http("POST", server.url + "/", {"instruction": "What is the capital of France?",
+                                                         "max_tokens": 16, "temperature": 0})
+    assert status == 200
+    return answer["completion"]
+
+
+def test_int8_serving_keeps_the_answers_sensible(demo, tuned_server, start_server):
+    assert "Paris" in capital_of_france(tuned_server)
+    int8 = start_server(demo[0] / "gemma3-270m-dolly-lora", "--max-batch-size", "1", "--length-buckets", "64",
+                        "--quantize", "int8")
+    assert "Paris" in capital_of_france(int8)
+    assert int8.metric("serve_weight_bytes") < 0.3 * tuned_server.metric("serve_weight_bytes")
+
+
+def test_tuned_model_answers_held_out_instructions_and_stops(tuned_server):
+    server = tuned_server
     held_out = [json.loads(line) for line in SAMPLE_DATA.read_text().splitlines()[160:176]]
     stopped = 0
     for record in held_out:

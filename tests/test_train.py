@@ -207,17 +207,17 @@ def test_load_errors_explain_what_to_do():
     assert "--batch-size" in train_local.explain_oom(train_local.parse_args([]))
 
 
-def test_seed_makes_runs_reproducible_and_dtype_is_honoured(tmp_path, tiny_model, run_train):
+def test_seed_makes_runs_reproducible_and_dtype_is_honoured(tmp_path, tiny_model, run_train, bf16_model):
     common = ["--model", tiny_model, "--data", SAMPLE_DATA, "--limit", 24, "--eval-examples", 0,
-              "--learning-rate", 1e-3]
+              "--learning-rate", 1e-3]  # as bf16_model's, which adds --seed 1 --dtype bfloat16
     histories = {}
-    for name, extra in [("a", ["--seed", 1]), ("b", ["--seed", 1]), ("c", ["--seed", 2]),
-                        ("bf16", ["--seed", 1, "--dtype", "bfloat16"])]:
+    for name, extra in [("a", ["--seed", 1]), ("b", ["--seed", 1]), ("c", ["--seed", 2])]:
         run_train(*common, *extra, "--output", tmp_path / name, check=True)
         histories[name] = [h["loss"] for h in json.loads((tmp_path / name / "training.json").read_text())["history"]]
+    histories["bf16"] = [h["loss"] for h in json.loads((bf16_model / "training.json").read_text())["history"]]
     assert histories["a"] == histories["b"]
     assert histories["a"] != histories["c"]
     assert histories["bf16"] != histories["a"] and histories["bf16"][0] == pytest.approx(histories["a"][0], rel=0.05)
     # The preset records the precision it was trained in (keras-hub casts to the Keras default on a plain reload).
-    saved = json.loads((tmp_path / "bf16" / "config.json").read_text())["config"]["dtype"]
+    saved = json.loads((bf16_model / "config.json").read_text())["config"]["dtype"]
     assert saved["config"]["name"] == "bfloat16"
