@@ -7,7 +7,9 @@
 The article's API stays (POST / {"prompt", "max_tokens"} -> {"generated_text"}), with one
 deliberate change: max_tokens counts new tokens, not prompt + new tokens. Also served:
 instruction mode (POST / {"instruction", "context"?} with the template train_local.py recorded),
-OpenAI-compatible POST /v1/completions (streaming too) and GET /v1/models, GET /health, GET /metrics.
+OpenAI-compatible POST /v1/completions and /v1/chat/completions (streaming, log-probabilities),
+GET /v1/models, POST /tokenize and /detokenize, GET /health, GET /metrics, and GET /openapi.json,
+which describes all of them.
 
 Every program is compiled at start-up (per batch bucket: decode over each attention window of
 --length-buckets, and an insert per prompt block), so no request ever waits for XLA. Concurrent

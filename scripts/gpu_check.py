@@ -1,12 +1,14 @@
 """GPU check: the Gemma 2B architecture with random weights, bfloat16, rank-16 LoRA, on one accelerator.
 
-    python3 scripts/gpu_check.py [--config gemma_2b|tiny] [--steps 20]
+    python3 scripts/gpu_check.py [--config gemma_2b|tiny] [--steps 20] [--quantize int8]
 
 Measures the product's own code paths: train_local.Trainer's compiled train step at batch 4 x 512
 (ms/step after compile, MFU against --peak-tflops), serve.Engine's batched decode (generated tokens/s
 at batch 1 and 8, with keras-hub's generate() as a reference), and peak device memory. Random weights
 and pre-tokenized arrays: nothing is downloaded and TensorFlow is not needed. `--config tiny` runs the
-same script in seconds on a CPU, to check it before spending device time.
+same script in seconds on a CPU, to check it before spending device time. `--quantize int8` (or int4)
+measures the same with the dense layers quantized before LoRA is enabled (QLoRA, as `train_local.py
+--quantize`), and reports the weight memory of each setting.
 """
 import argparse
 import math
@@ -36,15 +38,19 @@ def parse_args():
     p.add_argument("--sequence-length", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 dense peak (H200: ~790)")
+    p.add_argument("--quantize", choices=["none", "int8", "int4"], default="none")
     return p.parse_args()
 
 
-def build_model(config):
+def build_model(config, quantize):
     import keras
     from keras_hub.models import GemmaBackbone, GemmaCausalLM
     keras.utils.set_random_seed(0)
     backbone = GemmaBackbone(**CONFIGS[config], dtype="bfloat16")
     model = GemmaCausalLM(backbone=backbone, preprocessor=None)
+    if quantize != "none":
+        import train_local
+        train_local.quantize_base(model, quantize)
     model.backbone.enable_lora(rank=16)
     return model
 
@@ -136,10 +142,12 @@ def main():
     device = jax.devices()[0]
     print(f"device: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}", flush=True)
     started = time.time()
-    model = build_model(args.config)
-    print(f"model: {args.config}, {model.backbone.count_params() / 1e9:.2f}B parameters, bfloat16, LoRA rank 16 "
-          f"({sum(math.prod(v.shape) for v in model.trainable_variables) / 1e6:.2f}M trainable), built in "
-          f"{time.time() - started:.0f}s", flush=True)
+    model = build_model(args.config, args.quantize)
+    weights = sum(w.value.nbytes for w in model.weights) / 2**30
+    print(f"model: {args.config}, {model.backbone.count_params() / 1e9:.2f}B parameters, bfloat16"
+          f"{'' if args.quantize == 'none' else ' with ' + args.quantize + ' dense layers'}, {weights:.2f} GiB of "
+          f"weights, LoRA rank 16 ({sum(math.prod(v.shape) for v in model.trainable_variables) / 1e6:.2f}M "
+          f"trainable), built in {time.time() - started:.0f}s", flush=True)
 
     ms, compile_s, loss = time_training(model, args)
     flops = train_flops_per_step(model, args.batch_size, args.sequence_length)
@@ -151,10 +159,10 @@ def main():
     train_peak = peak_memory_gib()
     for batch_size in (1, 8):
         tps, compile_s = time_generation(model, args, batch_size)
-        reference = time_keras_hub_generate(model, args, batch_size)
-        print(f"generate: batch {batch_size}: {tps:,.0f} tok/s with serve.py's engine (compile {compile_s:.0f}s); "
-              f"keras-hub generate(): {reference:,.0f} tok/s ({args.new_tokens} new tokens after a 32-token prompt)",
-              flush=True)
+        reference = time_keras_hub_generate(model, args, batch_size) if args.quantize == "none" else None
+        print(f"generate: batch {batch_size}: {tps:,.0f} tok/s with serve.py's engine (compile {compile_s:.0f}s)"
+              + (f"; keras-hub generate(): {reference:,.0f} tok/s" if reference else "")
+              + f" ({args.new_tokens} new tokens after a 32-token prompt)", flush=True)
     print(f"memory: peak {peak_memory_gib():.1f} GiB on device (after training: {train_peak:.1f} GiB)")
 
 

@@ -21,4 +21,6 @@ fi
 export KERAS_BACKEND=jax PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=3 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
 log="${OUT:-/tmp}/gpu_check.log"
-python3 scripts/gpu_check.py "$@" 2>&1 | grep -v -E "^(WARNING: All log|I0000|W0000)" | tee "$log"
+# bfloat16 first, then the same with int8 dense layers (QLoRA), side by side in one run.
+{ python3 scripts/gpu_check.py "$@"; python3 scripts/gpu_check.py --quantize int8 --steps 10 "$@"; } 2>&1 \
+  | grep -v -E "^(WARNING: All log|I0000|W0000)" | tee "$log"

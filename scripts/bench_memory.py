@@ -1,0 +1,128 @@
+"""Memory and speed per precision on the real Gemma 3 270M, side by side in one run (CPU).
+
+    python3 scripts/bench_memory.py [--settings float32,bfloat16,int8,int4] [--skip-training]
+
+Serving, each setting in a fresh process (serve.py's own loading and engine): weight memory,
+resident memory after warm-up and its peak, decode tokens/s at batch 1 and 8 (64 new tokens after
+a 32-token prompt, greedy). int8/int4 quantize a float32 load, as `serve.py --quantize` does.
+Training, each setting: train_local.py with the demo's 40 steps (int8/int4: QLoRA, `--quantize`):
+ms per step, eval loss after, peak RSS.
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO_TRAINING = ["--data", str(REPO / "tests/data/dolly_sample.jsonl"), "--limit", "160", "--eval-examples", "40",
+                 "--max-steps", "40", "--sequence-length", "256", "--loss-on", "response", "--learning-rate", "5e-4"]
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=str(REPO / ".demo" / "gemma3-270m"),
+                   help="transformers-layout Gemma dir (converted from the PyPI GGUF when missing)")
+    p.add_argument("--settings", default="float32,bfloat16,int8,int4")
+    p.add_argument("--skip-training", action="store_true")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one serving setting, in its own process
+    return p.parse_args()
+
+
+def memory_mib():
+    status = Path("/proc/self/status").read_text()
+    return {key: int(re.search(rf"{key}:\s+(\d+)", status).group(1)) / 1024 for key in ("VmRSS", "VmHWM")}
+
+
+def flags_for(setting):
+    if setting in ("float32", "bfloat16"):
+        return ["--dtype", setting]
+    return ["--dtype", "float32", "--quantize", setting]
+
+
+def serve_worker(model_dir, setting):
+    sys.path.insert(0, str(REPO))
+    import numpy as np
+    import serve
+    serve.keep_tensorflow_off_accelerators()
+    model, _ = serve.load_model(serve.parse_args(["--model", model_dir, *flags_for(setting)]))
+    weights = sum(w.value.nbytes for w in model.weights)
+    engine = serve.Engine(model, [1, 8], [128], None)
+    engine.warm_up()
+    row = {"setting": setting, "weights_mib": weights / 2**20, **{k: v for k, v in memory_mib().items()}}
+    rng = np.random.default_rng(0)
+    for batch in (1, 8):
+        def generations():
+            return [serve.Generation([engine.bos] + rng.integers(1000, 20000, 31).tolist(), 64,
+                                     serve.SAMPLER_DEFAULTS["greedy"], 0, [], None) for _ in range(batch)]
+        engine.generate(generations(), batch)  # one untimed pass
+        gens = generations()
+        started = time.time()
+        engine.generate(gens, batch)
+        row[f"decode_tok_s_batch{batch}"] = sum(len(g.ids) for g in gens) / (time.time() - started)
+    row["VmRSS_after_warm_up"] = row.pop("VmRSS")
+    row["VmHWM_peak"] = memory_mib()["VmHWM"]
+    print("RESULT " + json.dumps(row), flush=True)
+
+
+def train(model_dir, setting, work):
+    out = work / f"train-{setting}"
+    flags = ["--dtype", "bfloat16"] if setting == "bfloat16" else [] if setting == "float32" else \
+        ["--quantize", setting]
+    result = subprocess.run([sys.executable, str(REPO / "train_local.py"), "--model", model_dir, *DEMO_TRAINING,
+                             *flags, "--output", str(out), "--compile-cache", ""], capture_output=True, text=True)
+    if result.returncode:
+        return {"setting": setting, "error": (result.stdout + result.stderr)[-400:]}
+    record = json.loads((out / "training.json").read_text())
+    peak = re.search(r"peak host RSS ([\d.]+) GiB", result.stdout)
+    return {"setting": setting, "ms_per_step": 1000 * record["seconds"] / len(record["history"]),
+            "eval_loss_before": record["eval_loss_before"], "eval_loss_after": record["eval_loss_after"],
+            "peak_rss_gib": float(peak.group(1)) if peak else None}
+
+
+def main():
+    args = parse_args()
+    if args.worker:
+        return serve_worker(args.model, args.worker)
+    env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3")
+    if not (Path(args.model) / "config.json").exists():
+        subprocess.run([sys.executable, str(REPO / "scripts" / "gguf_to_hf.py"), args.model], check=True, env=env)
+    settings = args.settings.split(",")
+    serving = []
+    for setting in settings:
+        result = subprocess.run([sys.executable, __file__, "--model", args.model, "--worker", setting],
+                                capture_output=True, text=True, env=env)
+        line = next((l for l in result.stdout.splitlines() if l.startswith("RESULT ")), None)
+        serving.append(json.loads(line[7:]) if line else {"setting": setting, "error": result.stderr[-400:]})
+        print(serving[-1], flush=True)
+    training = []
+    if not args.skip_training:
+        work = Path(tempfile.mkdtemp(prefix="bench-memory-"))
+        for setting in settings:
+            training.append(train(args.model, setting, work))
+            print(training[-1], flush=True)
+
+    print("\n| serving | weights MiB | RSS after warm-up MiB | peak RSS MiB | decode tok/s batch 1 | batch 8 |")
+    print("|---|---|---|---|---|---|")
+    for row in serving:
+        if "error" in row:
+            print(f"| {row['setting']} | failed: {row['error'][-120:]!r} |||||")
+            continue
+        print(f"| {row['setting']} | {row['weights_mib']:,.0f} | {row['VmRSS_after_warm_up']:,.0f} | "
+              f"{row['VmHWM_peak']:,.0f} | {row['decode_tok_s_batch1']:.1f} | {row['decode_tok_s_batch8']:.1f} |")
+    if training:
+        print("\n| training (demo's 40 steps) | ms/step | eval loss before -> after | peak RSS GiB |\n|---|---|---|---|")
+        for row in training:
+            if "error" in row:
+                print(f"| {row['setting']} | failed: {row['error'][-120:]!r} |||")
+                continue
+            print(f"| {row['setting']} | {row['ms_per_step']:.0f} | {row['eval_loss_before']:.3f} -> "
+                  f"{row['eval_loss_after']:.3f} | {row['peak_rss_gib']} |")
+
+
+if __name__ == "__main__":
+    main()
