@@ -428,8 +428,6 @@ def quantize_base(model, mode):
     """QLoRA (the keras.io recipe): quantize the frozen base's dense layers, then enable LoRA on them.
     The embedding stays as loaded: Keras 3.15's int8 ReversibleEmbedding passes almost no gradient back
     through the output projection, and LoRA then barely learns (loss 7.7 -> 7.2 instead of -> 2.7)."""
-    import ctypes
-    import gc
     import keras
     started = time.time()
     try:
@@ -438,12 +436,19 @@ def quantize_base(model, mode):
     except Exception as e:
         raise UserError(f"--quantize {mode}: {type(model.backbone).__name__} cannot be quantized so: "
                         f"{type(e).__name__}: {str(e).splitlines()[0][:300]}") from None
-    gc.collect()
-    try:  # glibc keeps the freed float32 kernels otherwise, and RSS would not shrink
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    release_freed_memory()
     log(f"model: base's dense layers quantized to {mode} in {time.time() - started:.1f}s; LoRA stays float32")
+
+
+def release_freed_memory():
+    """Hands memory freed by quantizing back to the OS: glibc keeps it otherwise, and RSS would not shrink."""
+    import ctypes
+    import gc
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (macOS): nothing to trim
+        pass
 
 
 def merged_on_original_base(args, adapter_path):
