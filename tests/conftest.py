@@ -57,6 +57,15 @@ def trained_model(tmp_path_factory, tiny_model, run_train):
     return out
 
 
+# One server on the tiny trained model, shared by the serving, network and chat tests (a start costs ~20 s).
+SERVE_FLAGS = ["--length-buckets", "64,320", "--max-batch-size", "4", "--max-body-bytes", "4096", "--seed", "0"]
+
+
+@pytest.fixture(scope="session")
+def tiny_server(trained_model, start_server):
+    return start_server(trained_model, *SERVE_FLAGS)
+
+
 @pytest.fixture(scope="session")
 def bf16_model(tmp_path_factory, tiny_model, run_train):
     out = tmp_path_factory.mktemp("bf16") / "model"

@@ -13,12 +13,11 @@ import pytest
 from conftest import REPO, http, raw_request, script_env
 
 ARTICLE_PROMPT = "Instruction:\nExplain the difference between a GPU and a TPU.\n\nResponse:\n"
-SERVE_FLAGS = ["--length-buckets", "64,320", "--max-batch-size", "4", "--max-body-bytes", "4096", "--seed", "0"]
 
 
 @pytest.fixture(scope="module")
-def server(trained_model, start_server):
-    return start_server(trained_model, *SERVE_FLAGS)
+def server(tiny_server):
+    return tiny_server
 
 
 def post(server, body, path="/", **kw):

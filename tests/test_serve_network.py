@@ -11,13 +11,9 @@ import pytest
 
 from conftest import http
 
-FLAGS = ["--length-buckets", "64,320", "--max-batch-size", "4", "--max-body-bytes", "4096", "--max-queue", "16",
-         "--seed", "0"]
-
-
 @pytest.fixture(scope="module")
-def server(trained_model, start_server):
-    return start_server(trained_model, *FLAGS)
+def server(tiny_server):
+    return tiny_server
 
 
 def post_raw(port, body, headers=None, timeout=120):
