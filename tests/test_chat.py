@@ -182,12 +182,12 @@ def test_new_validation_errors_are_4xx_json(server, path, body, message):
     assert status == 400 and message in answer["error"]["message"]
 
 
-def test_schemathesis_finds_no_server_error_and_no_response_outside_the_document(server):
+def test_schemathesis_finds_no_server_error_and_no_response_outside_the_document(server, tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "schemathesis.cli", "run", server.url + "/openapi.json", "--checks",
          "not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance",
          "--max-examples", "15", "--phases", "examples,coverage,fuzzing", "--generation-database", "none",
-         "--seed", "1", "--workers", "2"], capture_output=True, text=True, timeout=600)
+         "--seed", "1", "--workers", "2"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
     assert "9/9" in result.stdout  # every operation was tested
 
