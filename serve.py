@@ -1530,7 +1530,10 @@ class Handler(BaseHTTPRequestHandler):
             status = self.send_reply(self.route(app, method, path))
         except RequestError as e:
             status = e.status
-            self.send_error_reply(e)
+            try:
+                self.send_error_reply(e)
+            except OSError:
+                status = 499
         except ClientGone:
             status = 499
         except OSError:  # the client went away while we wrote
