@@ -1559,8 +1559,9 @@ class Handler(BaseHTTPRequestHandler):
         METRICS.observe_request(path if path in ROUTES else "other", status,
                                 time.time() - started if generating else None)
         if generating:
-            METRICS.add("prompt_tokens", sum(len(g.prompt_ids) - 1 for g in self.generations))
-            METRICS.add("generated_tokens", sum(len(g.ids) for g in self.generations))
+            counts = usage(self.generations)
+            METRICS.add("prompt_tokens", counts["prompt_tokens"])
+            METRICS.add("generated_tokens", counts["completion_tokens"])
         if generating or (status >= 400 and path != "/health"):
             self.log_request_line(method, path, status, started)
 
@@ -1586,8 +1587,8 @@ class Handler(BaseHTTPRequestHandler):
         elapsed = time.time() - started
         line = f"{method} {path} {status} {elapsed * 1000:.0f}ms id={self.rid()}"
         if self.generations:
-            gens = self.generations
-            prompt_tokens, completion_tokens = sum(len(g.prompt_ids) - 1 for g in gens), sum(len(g.ids) for g in gens)
+            gens, counts = self.generations, usage(self.generations)
+            prompt_tokens, completion_tokens = counts["prompt_tokens"], counts["completion_tokens"]
             queue_wait = max((g.started or time.time()) - g.enqueued for g in gens)
             reasons = ",".join(sorted({g.finish_reason or "cancelled" for g in gens}))
             line += (f" prompt={prompt_tokens} completion={completion_tokens} queue={queue_wait * 1000:.0f}ms "
