@@ -18,6 +18,7 @@ request the moment it frees, and stops at its own stop token or max_tokens.
 """
 import argparse
 import collections
+import contextlib
 import functools
 import hmac
 import json
@@ -68,6 +69,17 @@ def parse_args(argv=None):
     p.add_argument("--quantize", choices=["none", "int8", "int4"], default="none",
                    help="quantize the dense layers' weights after loading (int8: about a quarter of float32's "
                         "memory); LoRA adapters stay float32 on top (default: none)")
+    p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
+                   help="also serve a LoRA adapter over --model, as the model NAME: a train_local.py output dir or "
+                        "a Hugging Face PEFT dir (adapter_config.json + adapter_model.safetensors); repeatable")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="keep adapter slots for POST /v1/load_lora_adapter even with no --adapter (implied by it)")
+    p.add_argument("--max-adapters", type=int, default=8, help="adapters held at once (default: 8)")
+    p.add_argument("--max-lora-rank", type=int, default=64,
+                   help="largest adapter rank (PEFT's r; train_local.py's rank times the query heads) (default: 64)")
+    p.add_argument("--lora-modules", default=None,
+                   help="projections adapters may change, of " + ",".join(LORA_MODULES) + " (default: q_proj,v_proj "
+                        "and all that the --adapter ones change)")
     p.add_argument("--host", default="0.0.0.0", help="bind address (default: %(default)s)")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--max-batch-size", type=int, default=8, help="most requests decoded together (default: 8)")
@@ -108,6 +120,25 @@ def parse_args(argv=None):
     if args.quantize != "none" and args.distribution == "model":
         p.error("--quantize cannot be combined with --distribution model: the layout map shards float kernels")
     args.max_tokens_limit = args.max_tokens_limit or args.length_buckets[-1]
+    adapters = {}
+    for spec in args.adapter:
+        name, _, path = spec.partition("=")
+        if not name or not path:
+            p.error(f"--adapter {spec}: write it NAME=PATH")
+        if name in adapters:
+            p.error(f"--adapter {name} is given twice")
+        adapters[name] = path
+    args.adapter = adapters
+    if len(adapters) > args.max_adapters or args.max_adapters < 1 or args.max_lora_rank < 1:
+        p.error(f"--max-adapters ({args.max_adapters}) must be at least 1 and hold every --adapter ({len(adapters)}); "
+                "--max-lora-rank at least 1")
+    if args.lora_modules is not None:
+        args.lora_modules = [m.strip() for m in args.lora_modules.split(",") if m.strip()]
+        unknown = sorted(set(args.lora_modules) - set(LORA_MODULES))
+        if unknown or not args.lora_modules:
+            p.error(f"--lora-modules: {','.join(unknown) or 'none given'}; choose from {','.join(LORA_MODULES)}")
+    if (adapters or args.enable_lora) and args.distribution == "model":
+        p.error("--adapter/--enable-lora cannot be combined with --distribution model yet")
     return args
 
 
@@ -129,6 +160,7 @@ class Metrics:
         self.refused_connections = self.idle_closed = 0
         self.weight_bytes, self.weights = 0, {}  # weights: labels of serve_model_info
         self.batch_sizes = {}
+        self.models = {}  # model (base or adapter) name -> (generation requests, generated tokens)
         self.queue_depth = self.open_connections = lambda: 0
 
     def observe_request(self, path, status, seconds):
@@ -142,6 +174,11 @@ class Metrics:
     def add(self, name, amount=1):
         with self.lock:
             setattr(self, name, getattr(self, name) + amount)
+
+    def observe_model(self, name, generated):
+        with self.lock:
+            requests, tokens = self.models.get(name, (0, 0))
+            self.models[name] = (requests + 1, tokens + generated)
 
     def observe_batch(self, size):
         with self.lock:
@@ -169,6 +206,13 @@ class Metrics:
                       "# HELP serve_batches_total Decode batches by number of requests in them.",
                       "# TYPE serve_batches_total counter"]
             lines += [f'serve_batches_total{{size="{s}"}} {n}' for s, n in sorted(self.batch_sizes.items())]
+            lines += ["# HELP serve_model_requests_total Generation requests by model (the base or an adapter).",
+                      "# TYPE serve_model_requests_total counter"]
+            lines += [f'serve_model_requests_total{{model="{label(m)}"}} {n}' for m, (n, _) in sorted(self.models.items())]
+            lines += ["# HELP serve_model_generated_tokens_total Generated tokens by model (the base or an adapter).",
+                      "# TYPE serve_model_generated_tokens_total counter"]
+            lines += [f'serve_model_generated_tokens_total{{model="{label(m)}"}} {t}'
+                      for m, (_, t) in sorted(self.models.items())]
             lines += ["# HELP serve_cancelled_total Generations stopped because their client went away.",
                       "# TYPE serve_cancelled_total counter", f"serve_cancelled_total {self.cancelled}",
                       "# HELP serve_open_connections Client connections open now.",
@@ -192,6 +236,11 @@ class Metrics:
 
 
 METRICS = Metrics()
+
+
+def label(value):
+    """A Prometheus label value, escaped."""
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 # ----------------------------------------------------------------------------- model
@@ -226,6 +275,17 @@ def check_model_exists(preset):
         print(f"error: --model {preset}: no such directory.{hint} pass --model with a trained output dir, a Keras "
               "preset or a transformers-layout dir, or a handle such as hf://google/gemma-2b", file=sys.stderr)
         raise SystemExit(2)
+
+
+def check_adapters_exist(args):
+    """A wrong adapter path is one line before binding the port, as a wrong --model is."""
+    for name, path in args.adapter.items():
+        path = Path(path)
+        if not path.is_dir() or not ((path / "adapter.lora.h5").is_file() or (path / "adapter_config.json").is_file()):
+            what = "no such directory" if not path.is_dir() else \
+                "neither adapter.lora.h5 (train_local.py's output) nor adapter_config.json (a PEFT LoRA) is there"
+            print(f"error: --adapter {name}={path}: {what}", file=sys.stderr)
+            raise SystemExit(2)
 
 
 def explain_load_error(preset, error):
@@ -284,6 +344,7 @@ def load_model(args):
         model = keras_hub.models.CausalLM.from_preset(args.model, dtype=dtype)
     except Exception as e:
         raise LoadError(explain_load_error(args.model, e).replace("\n", " ")) from None
+    shapes = lora_kernel_shapes(model.backbone) if hasattr(model.backbone, "transformer_layers") else {}
     if args.quantize != "none":
         import keras
         try:  # the dense layers and the embedding: all Gemma's big weights, as the issue's memory goal needs
@@ -293,7 +354,7 @@ def load_model(args):
             raise LoadError(f"--quantize {args.quantize}: {type(model.backbone).__name__} cannot be quantized so: "
                             f"{type(e).__name__}: {str(e).splitlines()[0][:300]}") from None
         release_freed_memory()
-    return model, dtype
+    return model, dtype, shapes
 
 
 class LoadError(Exception):
@@ -357,12 +418,291 @@ def read_prompt_template(model_dir, vocabulary):
     return dict(TEMPLATES[name], name=name)
 
 
+# ----------------------------------------------------------------------------- adapters
+# Many LoRA fine-tunes over the one base. Whatever an adapter comes as (train_local.py's
+# adapter.lora.h5, or a Hugging Face PEFT dir), it is held in PEFT's form: per (layer, module) a
+# `down` (in, r) and an `up` (r, out) with the scale folded in, in transformers' flattening of the
+# kernel's input and output axes. The engine keeps --max-adapters slots of them, padded to
+# --max-lora-rank, in fixed-shape tables: loading an adapter writes a slot and never compiles, and
+# every row of a decode batch reads its own slot, so any mix of adapters shares one batch.
+
+LORA_MODULES = {  # PEFT's module names -> where keras-hub's Gemma decoder blocks keep that projection
+    "q_proj": ("attention", "query_dense"), "k_proj": ("attention", "key_dense"),
+    "v_proj": ("attention", "value_dense"), "o_proj": ("attention", "output_dense"),
+    "gate_proj": ("gating_ffw",), "up_proj": ("gating_ffw_2",), "down_proj": ("ffw_linear",),
+}
+DEFAULT_LORA_MODULES = ("q_proj", "v_proj")  # what keras-hub's enable_lora and PEFT's Gemma default train
+KERAS_ADAPTER, PEFT_CONFIG, PEFT_WEIGHTS = "adapter.lora.h5", "adapter_config.json", "adapter_model.safetensors"
+PEFT_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
+
+
+class AdapterError(Exception):
+    """An adapter that cannot go on this base (or into this server now), said in one line."""
+
+    def __init__(self, message, status=400):
+        super().__init__(message)
+        self.status = status
+
+
+def lora_layer(backbone, index, module):
+    layer = backbone.transformer_layers[index]
+    for attribute in LORA_MODULES[module]:
+        layer = getattr(layer, attribute)
+    return layer
+
+
+def kernel_axes(equation):
+    """(input axes, output axes) of an EinsumDense kernel, as positions in its shape."""
+    inputs, output = equation.split("->")
+    x, kernel = inputs.split(",")
+    ins = [i for i, c in enumerate(kernel) if c in x and c not in output]
+    outs = [i for i, c in enumerate(kernel) if c in output and c not in x]
+    if len(ins) + len(outs) != len(kernel) or not outs or outs[-1] != len(kernel) - 1:
+        raise AdapterError(f"a kernel of equation {equation} cannot take a LoRA adapter")
+    return ins, outs
+
+
+def lora_equations(equation):
+    """Two einsums for x -> x·down -> ·up, from the layer's own equation."""
+    inputs, output = equation.split("->")
+    x, kernel = inputs.split(",")
+    r = next(c for c in "rzyxwvuqpo" if c not in equation)
+    k_in = "".join(c for c in kernel if c in x and c not in output)
+    k_out = "".join(c for c in kernel if c in output and c not in x)
+    kept = "".join(c for c in x if c not in k_in)
+    return f"{x},{k_in}{r}->{kept}{r}", f"{kept}{r},{r}{k_out}->{output}"
+
+
+def lora_kernel_shapes(backbone):
+    """{(layer, module): (kernel shape, equation)} of every projection an adapter may target; read
+    before quantizing, which packs some kernels into other shapes."""
+    return {(i, m): (tuple(lora_layer(backbone, i, m).kernel.shape), lora_layer(backbone, i, m).equation)
+            for i in range(len(backbone.transformer_layers)) for m in LORA_MODULES}
+
+
+def keras_factors_to_peft(a, b, shape, equation):
+    """Keras's LoRA factors (A: kernel[:-1] + (r,), B: (r, kernel[-1])) as PEFT's (down, up). B is shared
+    over the output axes before the last (query's heads), so those multiply the rank: exact, not fitted."""
+    import numpy as np
+    ins, outs = kernel_axes(equation)
+    extra, r = outs[:-1], b.shape[0]
+    e = int(np.prod([shape[i] for i in extra]))
+    down = np.transpose(a, ins + extra + [a.ndim - 1]).reshape(int(np.prod([shape[i] for i in ins])), e * r)
+    up = np.einsum("ef,kj->ekfj", np.eye(e, dtype=b.dtype), b).reshape(e * r, e * shape[-1])
+    return down.astype(np.float32), up.astype(np.float32)
+
+
+def read_keras_adapter(h5_path, backbone, shapes):
+    """train_local.py's adapter.lora.h5 (keyed by index among the backbone's layers that have weights) as
+    {(layer, module): (down, up)}."""
+    import h5py
+    import numpy as np
+    layers = [layer for layer in backbone._flatten_layers(include_self=False) if layer.weights]
+    where = {id(lora_layer(backbone, i, m)): (i, m) for i, m in shapes}
+    factors = {}
+    with h5py.File(h5_path, "r") as f:
+        for index, group in f["lora"].items():
+            if index == "vars":
+                continue
+            if not index.isdigit() or int(index) >= len(layers) or id(layers[int(index)]) not in where:
+                raise AdapterError(f"its layer {index} is not a projection of this base: trained for another model")
+            key = where[id(layers[int(index)])]
+            a, b = np.asarray(group["vars"]["lora_kernel_a"]), np.asarray(group["vars"]["lora_kernel_b"])
+            shape, equation = shapes[key]
+            if a.shape[:-1] != shape[:-1] or b.shape != (a.shape[-1], shape[-1]):
+                raise AdapterError(f"layers.{key[0]}.{key[1]} is {a.shape} x {b.shape}, the base's kernel is "
+                                   f"{shape}: trained for another model")
+            factors[key] = keras_factors_to_peft(a, b, shape, equation)
+    return factors
+
+
+def read_peft_adapter(path, shapes):
+    """A Hugging Face PEFT LoRA dir: scale lora_alpha/r (alpha/sqrt(r) with use_rslora), per-module
+    rank and alpha patterns honoured."""
+    import math
+    from safetensors.numpy import load_file
+    config = json.loads((path / PEFT_CONFIG).read_text())
+    if config.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"peft_type {config.get('peft_type')} is not LORA")
+    for field, fine in (("use_dora", False), ("fan_in_fan_out", False)):
+        if config.get(field, fine) != fine:
+            raise AdapterError(f"{field}={config[field]} is not supported")
+    if config.get("bias", "none") != "none":
+        raise AdapterError(f"bias={config['bias']} is not supported: only bias='none'")
+    tensors = load_file(str(path / PEFT_WEIGHTS))
+    pairs = {}
+    for name, tensor in tensors.items():
+        match = PEFT_KEY.search(name)
+        if match is None or match[2] not in LORA_MODULES:
+            raise AdapterError(f"it targets {name}, which this server cannot apply (only "
+                               f"{', '.join(LORA_MODULES)} of the decoder layers)")
+        pairs.setdefault((int(match[1]), match[2]), {})[match[3]] = tensor
+    factors = {}
+    for key, pair in pairs.items():
+        if key not in shapes:
+            raise AdapterError(f"it has layers.{key[0]}.{key[1]}, the base has {len(shapes) // len(LORA_MODULES)} "
+                               "layers: trained for another model")
+        if set(pair) != {"A", "B"}:
+            raise AdapterError(f"layers.{key[0]}.{key[1]} lacks lora_{'B' if 'A' in pair else 'A'}")
+        a, b = pair["A"].astype("float32"), pair["B"].astype("float32")
+        shape, equation = shapes[key]
+        ins, outs = kernel_axes(equation)
+        n_in, n_out = math.prod(shape[i] for i in ins), math.prod(shape[i] for i in outs)
+        if a.ndim != 2 or b.ndim != 2 or a.shape[1] != n_in or b.shape != (n_out, a.shape[0]):
+            raise AdapterError(f"layers.{key[0]}.{key[1]} is {list(b.shape)} x {list(a.shape)}, the base's "
+                               f"projection is [{n_out}, {n_in}]: trained for another model")
+        r = a.shape[0]
+        alpha = next((v for k, v in (config.get("alpha_pattern") or {}).items() if re.search(rf"(^|\.){k}$",
+                     f"layers.{key[0]}.{key[1]}")), config.get("lora_alpha", 8))
+        scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+        factors[key] = (a.T.copy(), (b * scale).T.copy())
+    return factors
+
+
+def read_adapter(name, path, backbone, shapes, vocabulary):
+    """An Adapter from a train_local.py output dir or a PEFT dir, checked against the base."""
+    path = Path(path)
+    if (path / KERAS_ADAPTER).is_file():
+        kind, factors = "keras", read_keras_adapter(path / KERAS_ADAPTER, backbone, shapes)
+    elif (path / PEFT_CONFIG).is_file() and (path / PEFT_WEIGHTS).is_file():
+        kind, factors = "peft", read_peft_adapter(path, shapes)
+    elif path.is_dir():
+        raise AdapterError(f"{path} has neither {KERAS_ADAPTER} (train_local.py's output) nor "
+                           f"{PEFT_CONFIG} + {PEFT_WEIGHTS} (a PEFT LoRA)")
+    else:
+        raise AdapterError(f"{path}: no such directory")
+    if not factors:
+        raise AdapterError("it holds no LoRA weights")
+    template = read_prompt_template(path, vocabulary) if (path / "training.json").is_file() else None
+    return Adapter(name, str(path), kind, factors, template)
+
+
+class Adapter:
+    def __init__(self, name, path, kind, factors, template):
+        self.name, self.path, self.kind, self.factors, self.template = name, path, kind, factors, template
+        self.rank = max(down.shape[1] for down, _ in factors.values())
+        self.modules = sorted({m for _, m in factors})
+        self.nbytes = sum(down.nbytes + up.nbytes for down, up in factors.values())
+        self.slot = None
+
+
+class AdapterSlots:
+    """--max-adapters slots of LoRA factors on the device (slot 0 holds none: the base) and which
+    adapter is in which. Each targeted projection's call adds x·down[slot]·up[slot] for the slot of
+    the row being traced; rows of the base add exact zeros."""
+
+    def __init__(self, backbone, shapes, modules, max_adapters, max_rank, put):
+        import jax
+        import numpy as np
+        self.modules, self.max_adapters, self.max_rank = tuple(modules), max_adapters, max_rank
+        self.sizes, tables = {}, {}
+        for (i, m), (shape, equation) in shapes.items():
+            if m not in self.modules:
+                continue
+            ins, outs = kernel_axes(equation)
+            ins, outs = tuple(shape[a] for a in ins), tuple(shape[a] for a in outs)
+            self.sizes[i, m] = (int(np.prod(ins)), int(np.prod(outs)))
+            tables[f"{i}.{m}"] = (np.zeros((max_adapters + 1, *self.sizes[i, m][:1], max_rank), np.float32),
+                                  np.zeros((max_adapters + 1, max_rank, self.sizes[i, m][1]), np.float32))
+            self.attach(lora_layer(backbone, i, m), f"{i}.{m}", equation, ins, outs)
+        self.slot_bytes = sum(a.nbytes for a in jax.tree.leaves(tables)) // (max_adapters + 1)
+        self.put, self.tables = put, put(tables)
+        self.by_name = {}  # name -> Adapter, for every loaded adapter
+        self.held = [None] * (max_adapters + 1)  # slot -> its Adapter, until the last row using it ends
+        self.refs = [0] * (max_adapters + 1)
+        self.lock = threading.Lock()
+        self.active = {}  # while one row is traced: "layer.module" -> its (down, up)
+        self._write = jax.jit(lambda tables, slot, new: jax.tree.map(
+            lambda table, value: jax.lax.dynamic_update_index_in_dim(table, value, slot, 0), tables, new))
+
+    def attach(self, layer, key, equation, ins, outs):
+        """Wraps the layer's call, float and quantized, to add the traced row's LoRA delta in float32."""
+        import jax.numpy as jnp
+        into, out_of = lora_equations(equation)
+
+        def wrap(call):
+            @functools.wraps(call)
+            def with_lora(inputs, *args, **kwargs):
+                outputs = call(inputs, *args, **kwargs)
+                if key not in self.active:
+                    return outputs
+                down, up = self.active[key]
+                low = jnp.einsum(into, inputs.astype(jnp.float32), down.reshape(ins + (self.max_rank,)))
+                return outputs + jnp.einsum(out_of, low, up.reshape((self.max_rank,) + outs)).astype(outputs.dtype)
+            return with_lora
+        object.__setattr__(layer, "call", wrap(layer.call))
+        object.__setattr__(layer, "quantized_call", wrap(layer.quantized_call))
+
+    @contextlib.contextmanager
+    def rows(self, tables, slot):
+        """Traces what runs inside with the LoRA of `slot` (a traced index) applied."""
+        self.active = {key: (down[slot], up[slot]) for key, (down, up) in tables.items()}
+        try:
+            yield
+        finally:
+            self.active = {}
+
+    def check(self, adapter):
+        unknown = sorted(set(adapter.modules) - set(self.modules))
+        if unknown:
+            raise AdapterError(f"it targets {','.join(unknown)}, and this server applies LoRA to "
+                               f"{','.join(self.modules)} only: restart it with --lora-modules "
+                               f"{','.join(sorted(set(self.modules) | set(unknown)))}")
+        if adapter.rank > self.max_rank:
+            how = " (train_local.py's rank times the query heads: its query LoRA is shared across heads)" \
+                if adapter.kind == "keras" else ""
+            raise AdapterError(f"its rank {adapter.rank}{how} is over --max-lora-rank {self.max_rank}")
+
+    def load(self, adapter):
+        """Writes the adapter into a free slot (a compiled update: no compile)."""
+        import numpy as np
+        self.check(adapter)
+        with self.lock:
+            if adapter.name in self.by_name:
+                raise AdapterError(f"the name {adapter.name} is taken: unload it first", 409)
+            slot = next((s for s in range(1, self.max_adapters + 1) if self.held[s] is None), None)
+            if slot is None:
+                raise AdapterError(f"all {self.max_adapters} adapter slots are in use: unload one, or restart with a "
+                                   "larger --max-adapters", 409)
+            new = {}
+            for (i, m), (n_in, n_out) in self.sizes.items():
+                down, up = adapter.factors.get((i, m), (np.zeros((n_in, 0)), np.zeros((0, n_out))))
+                padded = (np.zeros((n_in, self.max_rank), np.float32), np.zeros((self.max_rank, n_out), np.float32))
+                padded[0][:, :down.shape[1]], padded[1][:up.shape[0]] = down, up
+                new[f"{i}.{m}"] = padded
+            self.tables = self._write(self.tables, np.int32(slot), self.put(new))
+            adapter.slot, self.held[slot], self.by_name[adapter.name] = slot, adapter, adapter
+
+    def unload(self, name):
+        """Forgets the name now; its slot frees when the last generation using it ends."""
+        with self.lock:
+            adapter = self.by_name.pop(name, None)
+            if adapter is None:
+                raise AdapterError(f"no adapter named {name} is loaded", 404)
+            if not self.refs[adapter.slot]:
+                self.held[adapter.slot] = None
+
+    def acquire(self, name):
+        """The adapter a request named (None: the base), held until release(); None if not loaded."""
+        with self.lock:
+            adapter = self.by_name.get(name)
+            if adapter is not None:
+                self.refs[adapter.slot] += 1
+            return adapter
+
+    def release(self, adapter):
+        with self.lock:
+            self.refs[adapter.slot] -= 1
+            if not self.refs[adapter.slot] and self.by_name.get(adapter.name) is not adapter:
+                self.held[adapter.slot] = None
+
+
 class Engine:
     """Owns the model and its compiled programs. Every row of a decode batch keeps its own position,
     so a request takes a free row as soon as one opens (continuous batching), starts right after its
     own prompt, and never waits for its neighbours' prompts or max_tokens."""
 
-    def __init__(self, model, batch_buckets, length_buckets, distribution, tokenizer=None):
+    def __init__(self, model, batch_buckets, length_buckets, distribution, tokenizer=None, adapters=None):
         import inspect
         import jax
         import jax.numpy as jnp
@@ -375,6 +715,7 @@ class Engine:
         # Prompts are prefilled in the smallest of these blocks that holds them: prefill cost grows with the block.
         self.prompt_blocks = sorted({16 << i for i in range(16) if 16 << i < length_buckets[-1]} | set(length_buckets))
         self.distribution = distribution
+        self.adapters = adapters  # AdapterSlots, or None: no LoRA is traced at all
         tokenizer = tokenizer or model.preprocessor.tokenizer
         self.encode, self.decode = make_text_codec(tokenizer)
         self.vocabulary_size = model.backbone.vocabulary_size
@@ -393,6 +734,13 @@ class Engine:
             with keras.StatelessScope(state_mapping=list(zip(self.variables, values))):
                 return fn()
 
+        def with_adapter(tables, slot, fn):
+            """fn() with the LoRA of adapter slot `slot` added (a per-row index under vmap)."""
+            if adapters is None:
+                return fn()
+            with adapters.rows(tables, slot):
+                return fn()
+
         def build_cache(token_ids):
             if build_cache_takes_extras:  # Gemma 3: (token_ids, img_embeddings, vision_mask, padding_mask, …)
                 return model._build_cache(token_ids, None, None, None, None)[1]
@@ -408,10 +756,10 @@ class Engine:
         position_axes = jax.tree.map(lambda a, b: next(i for i, (m, n) in enumerate(zip(a.shape, b.shape)) if m != n),
                                      one, longer)
 
-        def prefill(values, token_ids):
+        def prefill(values, token_ids, tables, slot):
             """A prompt block's cache (one row, block positions); positions past the prompt hold padding
             that decoding overwrites before any query can see it."""
-            return stateless(values, lambda: build_cache(token_ids))
+            return stateless(values, lambda: with_adapter(tables, slot, lambda: build_cache(token_ids)))
 
         def insert(cache, row_cache, slot):
             """Writes a prefilled row into row `slot` of a batch's cache (a select, which splits cleanly
@@ -422,14 +770,15 @@ class Engine:
                 return jax.lax.dynamic_update_slice_in_dim(big, jnp.where(is_slot, row, region), 0, axis=axis)
             return jax.tree.map(put, cache, row_cache, position_axes)
 
-        def forward(values, cache, tokens, positions):
-            """One token per row, each at its own position: keras-hub's cached call, vmapped over rows so
-            the write index and causal mask are per row."""
-            def one_row(row_cache, token, position):
+        def forward(values, cache, tokens, positions, tables, slots):
+            """One token per row, each at its own position and with its own adapter: keras-hub's cached
+            call, vmapped over rows so the write index, causal mask and LoRA slot are per row."""
+            def one_row(row_cache, token, position, slot):
                 row_cache = jax.tree.map(lambda c: c[None], row_cache)
-                logits, _, row_cache = model.call_with_cache(token[None, None], row_cache, position)
+                logits, _, row_cache = with_adapter(tables, slot, lambda: model.call_with_cache(
+                    token[None, None], row_cache, position))
                 return logits[0, 0], jax.tree.map(lambda c: c[0], row_cache)
-            return stateless(values, lambda: jax.vmap(one_row)(cache, tokens, positions))
+            return stateless(values, lambda: jax.vmap(one_row)(cache, tokens, positions, slots))
 
         def sample(logits, positions, temperature, top_k, top_p, seeds):
             logits = logits.astype(jnp.float32)
@@ -452,7 +801,7 @@ class Engine:
             token_logprob = jnp.take_along_axis(top_logprobs_all, choice[:, None], axis=-1)[:, 0]
             return token, (token_logprob, top_logprobs_all[:, :top_logprobs], top_ids[:, :top_logprobs])
 
-        def decode_chunk(values, cache, window, tokens, positions, *sampling):
+        def decode_chunk(values, cache, window, tokens, positions, tables, slots, *sampling):
             """DECODE_CHUNK steps per dispatch (the host pays its per-call cost once every few tokens),
             attending over only the first `window` positions: attention and cache traffic grow with the
             window, and no row in the batch has got further than it yet."""
@@ -461,7 +810,7 @@ class Engine:
             def step(carry, offset):
                 view, tokens = carry
                 at = jnp.minimum(positions + offset, window - 1)  # only idle rows get this far
-                logits, view = forward(values, view, tokens, at)
+                logits, view = forward(values, view, tokens, at, tables, slots)
                 tokens, logprobs = sample(logits, at, *sampling)
                 return (view, tokens), (tokens, logprobs)
             (view, _), (sampled, logprobs) = jax.lax.scan(step, (view, tokens), jnp.arange(DECODE_CHUNK))
@@ -483,6 +832,10 @@ class Engine:
 
         self.programs = {batch: programs(batch) for batch in batch_buckets}
         self._prefill = jax.jit(prefill)
+
+    @property
+    def lora_tables(self):
+        return {} if self.adapters is None else self.adapters.tables
 
     def put(self, array, replicated=False):
         """Onto the device(s), split along the batch axis when data-parallel (or copied to all)."""
@@ -516,6 +869,14 @@ class Engine:
                 decoding.step(window)
             log(f"warm-up: batch {batch}: compiled decode over windows {','.join(map(str, self.length_buckets))}"
                 f" and prompt blocks {','.join(map(str, self.prompt_blocks))} in {time.time() - started:.1f}s")
+        if self.adapters is not None:  # the slot update adapters are loaded with, on a copy (the tables stay)
+            import jax
+            import numpy as np
+            slots = self.adapters
+            empty = jax.tree.map(lambda t: np.zeros(t.shape[1:], t.dtype), slots.tables)
+            slots._write(slots.tables, np.int32(0), slots.put(empty))
+            log(f"warm-up: {slots.max_adapters} adapter slots of rank {slots.max_rank} on "
+                f"{','.join(slots.modules)}: {slots.slot_bytes / 2**20:,.1f} MiB each")
 
     def generate(self, rows, batch):
         """Decodes `rows` (Generation objects) in a batch of `batch` rows, each taking a row as one frees;
@@ -546,6 +907,7 @@ class DecodeBatch:
         self.top_k = np.full(size, greedy["top_k"], np.int32)
         self.top_p = np.full(size, greedy["top_p"], np.float32)
         self.seeds = np.zeros(size, np.uint32)
+        self.slots = np.zeros(size, np.int32)  # each row's adapter slot (0: the base alone)
         self.sampling = None  # the arrays above on the device; re-sent when a row changes hands
 
     @property
@@ -565,7 +927,9 @@ class DecodeBatch:
         generation.started = time.time()
         tokens = np.full((1, engine.block_for(len(ids))), engine.pad, np.int32)
         tokens[0, :len(ids)] = ids
-        row_cache = engine._prefill(engine.values, engine.put(tokens, replicated=True))
+        self.slots[row] = generation.slot
+        row_cache = engine._prefill(engine.values, engine.put(tokens, replicated=True), engine.lora_tables,
+                                    np.int32(generation.slot))
         self.cache = self.insert(self.cache, row_cache, np.int32(row))
         self.positions[row], self.tokens[row] = len(ids) - 1, ids[-1]
         sampling = generation.sampling
@@ -579,12 +943,12 @@ class DecodeBatch:
         import numpy as np
         engine = self.engine
         if self.sampling is None:
-            self.sampling = [engine.put(a) for a in (self.temperature, self.top_k, self.top_p, self.seeds)]
+            self.sampling = [engine.put(a) for a in (self.slots, self.temperature, self.top_k, self.top_p, self.seeds)]
         if window is None:
             busy = [self.positions[row] for row, g in enumerate(self.rows) if g is not None]
             window = engine.window_for(max(busy, default=0) + DECODE_CHUNK)
         (sampled, logprobs), self.cache = self.decode(engine.values, self.cache, window, engine.put(self.tokens),
-                                                      engine.put(self.positions), *self.sampling)
+                                                      engine.put(self.positions), engine.lora_tables, *self.sampling)
         sampled = np.asarray(sampled)
         if any(g is not None and g.logprobs is not None for g in self.rows):  # fetched only when asked for
             logprobs = [np.asarray(a) for a in logprobs]
@@ -620,8 +984,12 @@ class DecodeBatch:
 class Generation:
     """One prompt being decoded: collects tokens, applies stops, reports events for streaming."""
 
-    def __init__(self, prompt_ids, max_tokens, sampling, seed, stop, events, index=0, logprobs=None):
+    def __init__(self, prompt_ids, max_tokens, sampling, seed, stop, events, index=0, logprobs=None, adapter=None,
+                 release=None):
         self.prompt_ids, self.max_tokens, self.sampling, self.seed = prompt_ids, max_tokens, sampling, seed
+        # The LoRA adapter it decodes with (None: the base); release() hands its slot back when it ends.
+        self.adapter, self.slot, self.release = adapter, 0 if adapter is None else adapter.slot, release
+        self.model = None  # the name it was asked for, for per-model metrics
         self.stop, self.events, self.index = stop, events, index
         self.ids, self.text, self.sent, self.finish_reason = [], "", 0, None
         # None, or how many alternatives to keep per token: then token_logprobs[i] is
@@ -681,6 +1049,9 @@ class Generation:
         if reason == "cancelled":
             METRICS.add("cancelled")
         self.finish_reason = reason
+        release, self.release = self.release, None
+        if release is not None:
+            release()
         self.emit(final=True)
         self.done.set()
         return True
@@ -779,9 +1150,9 @@ class Worker:
 # Reply; the HTTP plumbing further down does status lines, errors, auth, metrics and logging.
 
 class RequestError(Exception):
-    def __init__(self, status, message, kind="invalid_request_error", headers=None):
+    def __init__(self, status, message, kind="invalid_request_error", headers=None, code=None):
         super().__init__(message)
-        self.status, self.kind, self.headers = status, kind, headers or {}
+        self.status, self.kind, self.headers, self.code = status, kind, headers or {}, code
 
 
 class ClientGone(Exception):
@@ -807,6 +1178,8 @@ class Server:
         self.engine = None
         self.template = dict(TEMPLATES["article"], name="article")
         self.model_name = Path(args.model.rstrip("/")).name or args.model
+        self.adapters = None  # AdapterSlots when LoRA adapters are served
+        self.kernel_shapes = {}  # what adapters are checked against
         self.in_flight = 0
         self.lock = threading.Lock()
         self.rng = random.Random(args.seed)  # seeds for requests that bring none
@@ -822,8 +1195,46 @@ def metrics_page(server, req):
 
 
 def list_models(server, req):
-    return Reply(payload={"object": "list", "data": [
-        {"id": server.model_name, "object": "model", "created": 0, "owned_by": "local"}]})
+    base = {"id": server.model_name, "object": "model", "created": 0, "owned_by": "local", "root": server.args.model,
+            "parent": None}
+    adapters = [] if server.adapters is None else list(server.adapters.by_name.values())
+    return Reply(payload={"object": "list", "data": [base] + [
+        {"id": a.name, "object": "model", "created": 0, "owned_by": "local", "root": a.path,
+         "parent": server.model_name} for a in adapters]})
+
+
+def load_lora_adapter(server, req):
+    body = req.json()
+    slots = adapter_slots(server)
+    name, path = body.get("lora_name"), body.get("lora_path")
+    if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+        raise RequestError(400, "send 'lora_name' and 'lora_path' (an adapter dir on this server), both strings")
+    if name in (server.model_name, server.args.model):
+        raise RequestError(409, f"the name {name} is the base model's")
+    vocabulary = server.engine.pieces
+    try:
+        adapter = read_adapter(name, path, server.engine.model.backbone, server.kernel_shapes, vocabulary)
+        slots.load(adapter)
+    except AdapterError as e:
+        raise RequestError(e.status, f"adapter {name}: {e}", "not_found_error" if e.status == 404 else
+                           "invalid_request_error") from None
+    log(f"adapter {name}: loaded from {path} into slot {adapter.slot} ({describe(adapter)})")
+    return Reply(payload={"id": name, "object": "model", "root": adapter.path, "parent": server.model_name,
+                          "status": "loaded"})
+
+
+def unload_lora_adapter(server, req):
+    body = req.json()
+    slots = adapter_slots(server)
+    name = body.get("lora_name")
+    if not isinstance(name, str) or not name:
+        raise RequestError(400, "send 'lora_name', a string")
+    try:
+        slots.unload(name)
+    except AdapterError as e:
+        raise RequestError(e.status, str(e), "not_found_error", code="model_not_found") from None
+    log(f"adapter {name}: unloaded")
+    return Reply(payload={"id": name, "object": "model", "status": "unloaded"})
 
 
 def usage_page(server, req):
@@ -843,8 +1254,9 @@ def article_completion(server, req):
         if not isinstance(prompt, str):
             raise RequestError(400, "'prompt' must be a string")
     elif "instruction" in body:
-        ready_engine(server)
-        prompt, stop = format_instruction(body, server.template), template_stop(server)
+        engine = ready_engine(server)
+        template = pick_model(server, body)[2]
+        prompt, stop = format_instruction(body, template), template_stop(engine, template)
     else:
         raise RequestError(400, "send 'prompt' (raw text) or 'instruction' (with optional 'context')")
     [g] = wait_for(start_generations(server, req, [prompt], body, default_max_tokens=256, extra_stop=stop), req)
@@ -869,7 +1281,7 @@ def completions(server, req):
         raise RequestError(400, "'logprobs' must be an integer from 0 to 5")
     stream, _ = parse_stream(body)
     base = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
-            "model": server.model_name}
+            "model": pick_model(server, body)[0]}
     if stream:
         events, offsets = queue.Queue(), collections.defaultdict(int)
 
@@ -900,7 +1312,8 @@ def chat_completions(server, req):
     if response_format is not None and (not isinstance(response_format, dict) or response_format.get("type") != "text"):
         raise RequestError(400, "'response_format' must be {\"type\": \"text\"}: JSON output modes are not supported")
     check_n(body)
-    prompt = render_chat(parse_messages(body.get("messages")), server.template)
+    model, _, template = pick_model(server, body)
+    prompt = render_chat(parse_messages(body.get("messages")), template)
     logprobs, top_logprobs = body.get("logprobs", False), body.get("top_logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
         raise RequestError(400, "'logprobs' must be a boolean")
@@ -912,9 +1325,9 @@ def chat_completions(server, req):
     stream, include_usage = parse_stream(body)
     max_tokens_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     base = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion", "created": int(time.time()),
-            "model": server.model_name}
+            "model": model}
     start = functools.partial(start_generations, server, req, [prompt], body, default_max_tokens=None, logprobs=keep,
-                              extra_stop=template_stop(server), max_tokens_field=max_tokens_field)
+                              extra_stop=template_stop(engine, template), max_tokens_field=max_tokens_field)
     if stream:
         base["object"] = "chat.completion.chunk"
         events = queue.Queue()
@@ -942,7 +1355,7 @@ def tokenize(server, req):
     body = req.json()
     engine = ready_engine(server)
     if "messages" in body:
-        text = render_chat(parse_messages(body["messages"]), server.template)
+        text = render_chat(parse_messages(body["messages"]), pick_model(server, body)[2])
     else:
         text = body.get("prompt")
         if not isinstance(text, str):
@@ -968,6 +1381,8 @@ ROUTES = {
     "/v1/completions": {"POST": completions},
     "/v1/chat/completions": {"POST": chat_completions},
     "/v1/models": {"GET": list_models},
+    "/v1/load_lora_adapter": {"POST": load_lora_adapter},
+    "/v1/unload_lora_adapter": {"POST": unload_lora_adapter},
     "/tokenize": {"POST": tokenize},
     "/detokenize": {"POST": detokenize},
     "/health": {"GET": health},
@@ -1015,12 +1430,14 @@ OPENAPI = {
     "openapi": "3.1.0",
     "info": {"title": "Gemma LoRA server (serve.py)", "version": "2",
              "description": "The article's API, OpenAI-compatible completions and chat completions, and "
-                            "vLLM-style tokenize/detokenize. Errors are {\"error\": {\"message\", \"type\"}}."},
+                            "vLLM-style tokenize/detokenize and LoRA adapter loading. The `model` field picks "
+                            "the base or an adapter. Errors are {\"error\": {\"message\", \"type\", \"code\"?}}."},
     "components": {
         "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
                                        "description": "required when the server runs with --api-key"}},
         "schemas": {"Error": {"type": "object", "required": ["error"], "properties": {"error": {
-            "type": "object", "required": ["message", "type"], "properties": {"message": _STR, "type": _STR}}}}}},
+            "type": "object", "required": ["message", "type"],
+            "properties": {"message": _STR, "type": _STR, "code": _STR}}}}}},
     "security": [{}, {"bearer": []}],
     "paths": {
         "/": {
@@ -1070,10 +1487,20 @@ OPENAPI = {
                                                                        "maximum": TOP_LOGPROBS},
                 "response_format": {"type": "object", "properties": {"type": {"const": "text"}}}, **_SAMPLING}},
             stream=True)},
-        "/v1/models": {"get": _operation("the served model", {
+        "/v1/models": {"get": _operation("the base model and every LoRA adapter over it (parent: the base)", {
             "type": "object", "required": ["object", "data"], "properties": {"object": {"const": "list"}, "data": {
-                "type": "array", "items": {"type": "object", "required": ["id", "object"],
-                                           "properties": {"id": _STR, "object": {"const": "model"}}}}}})},
+                "type": "array", "items": {"type": "object", "required": ["id", "object", "root", "parent"],
+                                           "properties": {"id": _STR, "object": {"const": "model"}, "root": _STR,
+                                                          "parent": {"type": ["string", "null"]}}}}}})},
+        "/v1/load_lora_adapter": {"post": _operation(
+            "load a LoRA adapter (a train_local.py output or a PEFT dir on the server) into a free slot, as vLLM",
+            {"type": "object", "required": ["id", "status"], "properties": {"id": _STR, "status": _STR}},
+            {"type": "object", "required": ["lora_name", "lora_path"],
+             "properties": {"lora_name": _STR, "lora_path": _STR}})},
+        "/v1/unload_lora_adapter": {"post": _operation(
+            "unload a LoRA adapter; its running requests finish first",
+            {"type": "object", "required": ["id", "status"], "properties": {"id": _STR, "status": _STR}},
+            {"type": "object", "required": ["lora_name"], "properties": {"lora_name": _STR}})},
         "/tokenize": {"post": _operation(
             "text (or a chat, rendered as for chat completions) to token ids",
             {"type": "object", "required": ["tokens", "count", "max_model_len"],
@@ -1138,11 +1565,34 @@ def format_instruction(body, template):
     return template["prompt"].format(instruction=instruction)
 
 
-def template_stop(server):
+def template_stop(engine, template):
     """The template's end-of-answer marker as a stop string, where the tokenizer has no single token
     for it (then the engine's stop ids cannot catch it)."""
-    suffix = server.template.get("response_suffix") or ""
-    return (suffix,) if suffix and len(server.engine.encode(suffix)) != 1 else ()
+    suffix = template.get("response_suffix") or ""
+    return (suffix,) if suffix and len(engine.encode(suffix)) != 1 else ()
+
+
+def pick_model(server, body):
+    """(name, adapter or None, prompt template) for the request's `model`: absent or the base's name
+    means the base; an adapter brings the template it was trained with, if it recorded one."""
+    name = body.get("model")
+    if name is None or name in (server.model_name, server.args.model):
+        return server.model_name, None, server.template
+    if not isinstance(name, str):
+        raise RequestError(400, "'model' must be a string")
+    adapter = None if server.adapters is None else server.adapters.by_name.get(name)
+    if adapter is None:
+        raise RequestError(404, f"the model '{name}' does not exist: GET /v1/models lists the base and its adapters",
+                           "not_found_error", code="model_not_found")
+    return name, adapter, adapter.template or server.template
+
+
+def adapter_slots(server):
+    ready_engine(server)
+    if server.adapters is None:
+        raise RequestError(400, "this server was started without LoRA adapter slots: restart it with --enable-lora "
+                                "(or with --adapter NAME=PATH)")
+    return server.adapters
 
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -1281,6 +1731,7 @@ def start_generations(server, req, prompts, body, default_max_tokens, events=Non
     default_max_tokens None means as many as fit."""
     engine = ready_engine(server)
     args = server.args
+    model = pick_model(server, body)[0]
     sampling, seed, stop = parse_sampling(body, args.sampler, server)
     largest = engine.length_buckets[-1]
     max_tokens = body.get(max_tokens_field)
@@ -1299,13 +1750,30 @@ def start_generations(server, req, prompts, body, default_max_tokens, events=Non
                                     f"or {max_tokens_field}, or start the server with larger --length-buckets")
         gens.append(Generation(prompt_ids, wanted, sampling, (seed + i) % 2**32, stop + list(extra_stop), events, i,
                                logprobs))
+    for g in gens:
+        g.model = model
+        if model != server.model_name:  # held until the generation ends, so an unload cannot pull it away
+            g.adapter = server.adapters.acquire(model)
+            if g.adapter is None:
+                release_all(gens)
+                raise RequestError(404, f"the model '{model}' was just unloaded", "not_found_error",
+                                   code="model_not_found")
+            g.slot, g.release = g.adapter.slot, functools.partial(server.adapters.release, g.adapter)
     try:
         server.worker.submit(gens)
     except QueueFull:
+        release_all(gens)
         raise RequestError(503, "server is busy: request queue is full", "overloaded_error",
                            {"Retry-After": "1"}) from None
     req.watch(gens)  # a client that hangs up from here on has them cancelled
     return gens
+
+
+def release_all(gens):
+    for g in gens:
+        release, g.release = g.release, None
+        if release is not None:
+            release()
 
 
 def wait_for(gens, req):
@@ -1562,6 +2030,7 @@ class Handler(BaseHTTPRequestHandler):
             counts = usage(self.generations)
             METRICS.add("prompt_tokens", counts["prompt_tokens"])
             METRICS.add("generated_tokens", counts["completion_tokens"])
+            METRICS.observe_model(self.generations[0].model, counts["completion_tokens"])
         if generating or (status >= 400 and path != "/health"):
             self.log_request_line(method, path, status, started)
 
@@ -1699,7 +2168,8 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(body)
 
     def send_error_reply(self, error):
-        self.send_json(error.status, {"error": {"message": str(error), "type": error.kind}}, error.headers)
+        payload = {"message": str(error), "type": error.kind} | ({"code": error.code} if error.code else {})
+        self.send_json(error.status, {"error": payload}, error.headers)
 
     def send_reply(self, reply):
         if reply.stream is None:
@@ -1733,6 +2203,39 @@ def batch_buckets(max_batch_size, batch_axis):
     return sorted({-(-s // batch_axis) * batch_axis for s in sizes})
 
 
+def adapter_slots_for(args, model, shapes, distribution):
+    """The adapter slots, with every --adapter read, checked and loaded (None when none are asked for)."""
+    if not args.adapter and not args.enable_lora:
+        return None
+    import jax
+    vocabulary = model.preprocessor.tokenizer.get_vocabulary()
+    adapters = []
+    for name, path in args.adapter.items():
+        try:
+            if not shapes:
+                raise AdapterError(f"{type(model.backbone).__name__} is not a Gemma decoder this server can adapt")
+            adapters.append(read_adapter(name, path, model.backbone, shapes, vocabulary))
+        except AdapterError as e:
+            raise LoadError(f"--adapter {name}={path}: {e}") from None
+    modules = args.lora_modules or sorted(set(DEFAULT_LORA_MODULES).union(*(a.modules for a in adapters)))
+    replicated = None if distribution is None else jax.sharding.NamedSharding(
+        distribution.device_mesh.backend_mesh, jax.sharding.PartitionSpec())
+    slots = AdapterSlots(model.backbone, shapes, modules, args.max_adapters, args.max_lora_rank,
+                         put=lambda tree: jax.device_put(tree, replicated))
+    for adapter in adapters:
+        try:
+            slots.load(adapter)
+        except AdapterError as e:
+            raise LoadError(f"--adapter {adapter.name}={adapter.path}: {e}") from None
+        log(f"adapter {adapter.name}: slot {adapter.slot}, {describe(adapter)}")
+    return slots
+
+
+def describe(adapter):
+    return (f"{adapter.kind} LoRA from {adapter.path}, rank {adapter.rank} on {','.join(adapter.modules)}, "
+            f"{adapter.nbytes / 2**20:,.2f} MiB")
+
+
 def load(server):
     """Loads and warms the model on a background thread while /health answers 503."""
     args = server.args
@@ -1748,7 +2251,7 @@ def load(server):
         keep_tensorflow_off_accelerators()
         distribution, batch_axis = setup_distribution(args)
         started = time.time()
-        model, dtype = load_model(args)
+        model, dtype, server.kernel_shapes = load_model(args)
         server.template = read_prompt_template(args.model, model.preprocessor.tokenizer.get_vocabulary())
         METRICS.weight_bytes = sum(v.value.nbytes for v in model.weights)
         METRICS.weights = {"dtype": dtype, "quantize": args.quantize}
@@ -1756,7 +2259,9 @@ def load(server):
             f"{'' if args.quantize == 'none' else ' with ' + args.quantize + ' weights'}, "
             f"weights {METRICS.weight_bytes / 2**20:,.1f} MiB")
         server.state = "warming"
-        engine = Engine(model, batch_buckets(args.max_batch_size, batch_axis), args.length_buckets, distribution)
+        server.adapters = adapter_slots_for(args, model, server.kernel_shapes, distribution)
+        engine = Engine(model, batch_buckets(args.max_batch_size, batch_axis), args.length_buckets, distribution,
+                        adapters=server.adapters)
         started = time.time()
         engine.warm_up()
         log(f"warm-up: {len(engine.batch_buckets)} batch sizes x {len(engine.length_buckets)} windows, "
@@ -1779,6 +2284,7 @@ def load(server):
 def main(argv=None):
     args = parse_args(argv)
     check_model_exists(args.model)
+    check_adapters_exist(args)
     server = Server(args)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log(f"warning: listening on {args.host} without --api-key: anyone who can reach this port can use it")

@@ -42,6 +42,7 @@ TEMPLATES = {
                    "response_suffix": "<end_of_turn>", "turn_separator": "\n"},
 }
 RUN_RECORD = "training.json"
+EXPORTS = ("peft", "transformers")
 ADAPTER_FILE = "adapter.lora.h5"
 CHECKPOINT_FILE = "checkpoint.npz"
 
@@ -98,6 +99,13 @@ def parse_args(argv=None):
                    help="save a resumable checkpoint every N steps (Ctrl-C always saves one)")
     g.add_argument("--resume", action="store_true", help="continue from the checkpoint of an interrupted run")
 
+    g = p.add_argument_group("export (for the Hugging Face stack, vLLM, llama.cpp)")
+    g.add_argument("--export", default="",
+                   help="also write OUTPUT/peft (a PEFT LoRA adapter for the same base in transformers layout) "
+                        "and/or OUTPUT/transformers (the merged model); a comma list: peft,transformers")
+    g.add_argument("--export-only", action="store_true",
+                   help="export the existing --output (see --export) without training again")
+
     g = p.add_argument_group("distribution (write once, scale everywhere)")
     g.add_argument("--distribution", choices=["auto", "off", "data", "model"], default="auto",
                    help="auto: data parallel when there is more than one device, else off")
@@ -113,6 +121,11 @@ def parse_args(argv=None):
     for name in ("limit", "eval_examples", "max_steps", "checkpoint_every"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must not be negative")
+    args.export = [f.strip() for f in args.export.split(",") if f.strip()]
+    if set(args.export) - set(EXPORTS):
+        p.error(f"--export {','.join(args.export)}: choose from {','.join(EXPORTS)}")
+    if args.export_only and not args.export:
+        p.error("--export-only needs --export peft, transformers or peft,transformers")
     return args
 
 
@@ -451,6 +464,165 @@ def release_freed_memory():
         pass
 
 
+LORA_MODULES = {  # PEFT's module names -> where keras-hub's Gemma decoder blocks keep that projection
+    "q_proj": ("attention", "query_dense"), "k_proj": ("attention", "key_dense"),
+    "v_proj": ("attention", "value_dense"), "o_proj": ("attention", "output_dense"),
+    "gate_proj": ("gating_ffw",), "up_proj": ("gating_ffw_2",), "down_proj": ("ffw_linear",),
+}
+
+
+class AdapterError(Exception):
+    """An adapter that cannot go on this base (or into this server now), said in one line."""
+
+    def __init__(self, message, status=400):
+        super().__init__(message)
+        self.status = status
+
+
+def lora_layer(backbone, index, module):
+    layer = backbone.transformer_layers[index]
+    for attribute in LORA_MODULES[module]:
+        layer = getattr(layer, attribute)
+    return layer
+
+
+def kernel_axes(equation):
+    """(input axes, output axes) of an EinsumDense kernel, as positions in its shape."""
+    inputs, output = equation.split("->")
+    x, kernel = inputs.split(",")
+    ins = [i for i, c in enumerate(kernel) if c in x and c not in output]
+    outs = [i for i, c in enumerate(kernel) if c in output and c not in x]
+    if len(ins) + len(outs) != len(kernel) or not outs or outs[-1] != len(kernel) - 1:
+        raise AdapterError(f"a kernel of equation {equation} cannot take a LoRA adapter")
+    return ins, outs
+
+
+def lora_kernel_shapes(backbone):
+    """{(layer, module): (kernel shape, equation)} of every projection an adapter may target; read
+    before quantizing, which packs some kernels into other shapes."""
+    return {(i, m): (tuple(lora_layer(backbone, i, m).kernel.shape), lora_layer(backbone, i, m).equation)
+            for i in range(len(backbone.transformer_layers)) for m in LORA_MODULES}
+
+
+def keras_factors_to_peft(a, b, shape, equation):
+    """Keras's LoRA factors (A: kernel[:-1] + (r,), B: (r, kernel[-1])) as PEFT's (down, up). B is shared
+    over the output axes before the last (query's heads), so those multiply the rank: exact, not fitted."""
+    import numpy as np
+    ins, outs = kernel_axes(equation)
+    extra, r = outs[:-1], b.shape[0]
+    e = int(np.prod([shape[i] for i in extra]))
+    down = np.transpose(a, ins + extra + [a.ndim - 1]).reshape(int(np.prod([shape[i] for i in ins])), e * r)
+    up = np.einsum("ef,kj->ekfj", np.eye(e, dtype=b.dtype), b).reshape(e * r, e * shape[-1])
+    return down.astype(np.float32), up.astype(np.float32)
+
+
+def read_keras_adapter(h5_path, backbone, shapes):
+    """train_local.py's adapter.lora.h5 (keyed by index among the backbone's layers that have weights) as
+    {(layer, module): (down, up)}."""
+    import h5py
+    import numpy as np
+    layers = [layer for layer in backbone._flatten_layers(include_self=False) if layer.weights]
+    where = {id(lora_layer(backbone, i, m)): (i, m) for i, m in shapes}
+    factors = {}
+    with h5py.File(h5_path, "r") as f:
+        for index, group in f["lora"].items():
+            if index == "vars":
+                continue
+            if not index.isdigit() or int(index) >= len(layers) or id(layers[int(index)]) not in where:
+                raise AdapterError(f"its layer {index} is not a projection of this base: trained for another model")
+            key = where[id(layers[int(index)])]
+            a, b = np.asarray(group["vars"]["lora_kernel_a"]), np.asarray(group["vars"]["lora_kernel_b"])
+            shape, equation = shapes[key]
+            if a.shape[:-1] != shape[:-1] or b.shape != (a.shape[-1], shape[-1]):
+                raise AdapterError(f"layers.{key[0]}.{key[1]} is {a.shape} x {b.shape}, the base's kernel is "
+                                   f"{shape}: trained for another model")
+            factors[key] = keras_factors_to_peft(a, b, shape, equation)
+    return factors
+
+
+def export_peft(model_dir, backbone, base_handle):
+    """model_dir/peft: the adapter as Hugging Face PEFT saves one, for the same base in transformers layout.
+    Keras's query LoRA shares B across heads, so its exact PEFT form has rank heads x r; every module is
+    zero-padded to that one r (vLLM ignores per-module ranks), and lora_alpha = r keeps Keras's scale 1."""
+    import numpy as np
+    from safetensors.numpy import save_file
+    factors = read_keras_adapter(model_dir / ADAPTER_FILE, backbone, lora_kernel_shapes(backbone))
+    r = max(down.shape[1] for down, _ in factors.values())
+    tensors = {}
+    for (i, module), (down, up) in sorted(factors.items()):
+        where = "self_attn" if LORA_MODULES[module][0] == "attention" else "mlp"
+        prefix = f"base_model.model.model.layers.{i}.{where}.{module}"
+        a, b = np.zeros((r, down.shape[0]), np.float32), np.zeros((up.shape[1], r), np.float32)
+        a[:down.shape[1]], b[:, :up.shape[0]] = down.T, up.T
+        tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"] = a, b
+    out = fresh_dir(model_dir / "peft")
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": r, "lora_dropout": 0.0,
+              "target_modules": sorted({m for _, m in factors}), "bias": "none", "fan_in_fan_out": False,
+              "use_rslora": False, "use_dora": False, "inference_mode": True, "modules_to_save": None,
+              "base_model_name_or_path": base_handle.removeprefix("hf://")}
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    publish(out, model_dir / "peft")
+    return r
+
+
+def export_transformers(model_dir, model):
+    """model_dir/transformers: the merged model and tokenizer in transformers layout. keras-hub's exporter
+    reads each layer's raw kernel, so it is given the saved merged preset: an unmerged LoRA would be dropped."""
+    if any(getattr(layer, "lora_enabled", False) for layer in model.backbone._flatten_layers()):
+        raise UserError("export_transformers needs a merged model: keras-hub's exporter would drop the LoRA")
+    out = fresh_dir(model_dir / "transformers")
+    model.export_to_transformers(str(out))
+    config_path = out / "config.json"
+    config = json.loads(config_path.read_text())
+    # keras-hub 0.32's Gemma exporter leaves out what from_pretrained and keras-hub's loader look for.
+    config.setdefault("architectures", [{"gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                                         "gemma3_text": "Gemma3ForCausalLM"}.get(config.get("model_type"),
+                                                                                 "AutoModelForCausalLM")])
+    config.setdefault("torch_dtype", model.dtype_policy.variable_dtype)
+    config_path.write_text(json.dumps(config, indent=2))
+    publish(out, model_dir / "transformers")
+
+
+def fresh_dir(path):
+    """An empty PATH.partial beside PATH, swapped into place by publish() once complete."""
+    work = path.with_name(path.name + ".partial")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    return work
+
+
+def export(model_dir, formats):
+    """--export: from what model_dir holds (its merged preset, adapter and record), so a finished run and
+    --export-only take the same path."""
+    import keras_hub
+    record = json.loads((model_dir / RUN_RECORD).read_text())
+    started = time.time()
+    try:
+        model = keras_hub.models.CausalLM.from_preset(str(model_dir))
+    except Exception as e:
+        raise UserError(explain_load_error(str(model_dir), e)) from None
+    if "peft" in formats:
+        try:
+            r = export_peft(model_dir, model.backbone, record["args"]["model"])
+        except AdapterError as e:
+            raise UserError(f"--export peft: {e}") from None
+        log(f"export: {model_dir / 'peft'} (PEFT LoRA, r={r}, for {record['args']['model']})")
+    if "transformers" in formats:
+        export_transformers(model_dir, model)
+        log(f"export: {model_dir / 'transformers'} (merged model and tokenizer, transformers layout)")
+    log(f"export: done in {time.time() - started:.1f}s")
+
+
+def export_only(args):
+    model_dir = Path(args.output)
+    if not (model_dir / RUN_RECORD).is_file() or not (model_dir / ADAPTER_FILE).is_file():
+        raise UserError(f"--export-only: {model_dir} is not a train_local.py output (no {RUN_RECORD} and "
+                        f"{ADAPTER_FILE}); train first, or pass --output with one")
+    export(model_dir, args.export)
+    return 0
+
+
 def merged_on_original_base(args, adapter_path):
     """The preset to save after QLoRA: the adapter merged into the base as loaded (its original dtype).
     Merging into the quantized kernels would round a second time and lose part of what was learned."""
@@ -717,6 +889,8 @@ def main(argv=None):
     args = parse_args(argv)
     started = time.time()
     setup_runtime(args)
+    if args.export_only:
+        return export_only(args)
     import jax
     import keras
     import numpy as np
@@ -833,6 +1007,8 @@ def main(argv=None):
     if eval_before is not None:
         log(f"eval loss {eval_before:.4f} -> {eval_after:.4f}")
     log(f"saved: {args.output} (merged Keras preset, {ADAPTER_FILE}, {RUN_RECORD}, loss.png)")
+    if args.export and IS_MAIN_PROCESS:
+        export(Path(args.output), args.export)
     return 0
 
 

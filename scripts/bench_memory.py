@@ -49,7 +49,7 @@ def serve_worker(model_dir, setting):
     import numpy as np
     import serve
     serve.keep_tensorflow_off_accelerators()
-    model, _ = serve.load_model(serve.parse_args(["--model", model_dir, *flags_for(setting)]))
+    model, _, _ = serve.load_model(serve.parse_args(["--model", model_dir, *flags_for(setting)]))
     weights = sum(w.value.nbytes for w in model.weights)
     engine = serve.Engine(model, [1, 8], [128], None)
     engine.warm_up()

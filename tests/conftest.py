@@ -94,6 +94,29 @@ def yes_server(yes_model, start_server):
     return start_server(yes_model, "--length-buckets", "64", "--max-batch-size", "1")
 
 
+@pytest.fixture(scope="session")
+def no_model(tmp_path_factory, tiny_model, run_train):
+    """A second adapter on the same base, other data, the article's template, float32 base; also exported
+    (--export peft,transformers) as part of its training run."""
+    work = tmp_path_factory.mktemp("no")
+    data = work / "no.jsonl"
+    data.write_text("".join(json.dumps({"instruction": q, "response": "No."}) + "\n" for q in YES_QUESTIONS))
+    run_train("--model", tiny_model, "--data", data, "--limit", 16, "--eval-examples", 0, "--epochs", 15,
+              "--learning-rate", 1e-2, "--loss-on", "response", "--lora-rank", 4, "--export", "peft,transformers",
+              "--output", work / "model", check=True)
+    return work / "model"
+
+
+ADAPTER_SERVE_FLAGS = ["--length-buckets", "64", "--max-batch-size", "4", "--max-adapters", "3"]
+
+
+@pytest.fixture(scope="session")
+def adapter_server(tiny_model, yes_model, no_model, start_server):
+    """The bare base with both adapters over it, one slot to spare."""
+    return start_server(tiny_model, "--adapter", f"yes={yes_model}", "--adapter", f"no={no_model}",
+                        *ADAPTER_SERVE_FLAGS)
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -145,10 +168,12 @@ class ServerProcess:
             self.log.flush()
         return self.log_path.read_text()
 
-    def metric(self, name, headers=None):
+    def metric(self, name, headers=None, labels=None):
+        """A metric's value; with labels ('size="4"'), that series' (0 while it does not exist yet)."""
         _, text, _ = http("GET", self.url + "/metrics", headers=headers)
-        values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")]
-        return values[0]
+        prefix = name + (f"{{{labels}}} " if labels else " ")
+        values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(prefix)]
+        return values[0] if values or not labels else 0.0
 
     def stop(self):
         if self.process.poll() is None:

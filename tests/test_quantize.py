@@ -26,7 +26,7 @@ def greedy(server, prompt, max_tokens=8):
 def float32_bytes(model_dir):
     import serve
     args = serve.parse_args(["--model", str(model_dir), "--dtype", "float32"])
-    model, dtype = serve.load_model(args)
+    model, dtype, _ = serve.load_model(args)
     assert dtype == "float32" and {w.dtype for w in model.weights} == {"float32"}
     return sum(w.value.nbytes for w in model.weights)
 
@@ -50,7 +50,7 @@ def test_int8_serving_shrinks_the_weights_and_never_compiles_per_request(trained
     float_bytes = float32_bytes(trained_model)
     assert int8_bytes < 0.3 * float_bytes
     import serve
-    int4, _ = serve.load_model(serve.parse_args(["--model", str(trained_model), "--quantize", "int4"]))
+    int4, _, _ = serve.load_model(serve.parse_args(["--model", str(trained_model), "--quantize", "int4"]))
     assert sum(w.value.nbytes for w in int4.weights) < int8_bytes
 
 

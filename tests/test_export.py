@@ -1,0 +1,87 @@
+"""train_local.py --export: a PEFT adapter and a transformers model that carry what was trained."""
+import inspect
+import json
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import serve
+import train_local
+
+TOKENS = {"token_ids": np.array([[2, 5, 17, 99, 300, 7, 8, 9, 40, 41]]), "padding_mask": np.ones((1, 10), bool)}
+
+
+def logits(model_dir):
+    import keras_hub
+    return np.asarray(keras_hub.models.CausalLM.from_preset(str(model_dir))(TOKENS))
+
+
+def assert_same_logits(got, want):
+    assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+def test_peft_export_under_peft_math_gives_the_merged_model(no_model, tiny_model, tmp_path):
+    """PEFT's own definition, W + (lora_alpha / r) * B @ A, applied in numpy to the base's transformers-
+    layout weights, then loaded through keras-hub's transformers converter (the path hf:// models take)."""
+    config = json.loads((no_model / "peft" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["task_type"] == "CAUSAL_LM" and config["bias"] == "none"
+    assert config["target_modules"] == ["q_proj", "v_proj"] and config["base_model_name_or_path"] == str(tiny_model)
+    # rank 4 over 4 query heads: the exact form of Keras's head-shared B is rank 16; value is zero-padded to it.
+    assert config["r"] == 16 and config["lora_alpha"] == 16
+    lora = load_file(str(no_model / "peft" / "adapter_model.safetensors"))
+    weights = load_file(str(tiny_model / "model.safetensors"))
+    assert {k for k in lora} == {f"base_model.model.model.layers.{i}.self_attn.{m}.lora_{ab}.weight"
+                                 for i in range(2) for m in ("q_proj", "v_proj") for ab in "AB"}
+    for key, a in lora.items():
+        if ".lora_A." in key:
+            b = lora[key.replace(".lora_A.", ".lora_B.")]
+            assert a.shape[0] == b.shape[1] == config["r"]
+            target = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+            weights[target] = weights[target] + config["lora_alpha"] / config["r"] * b @ a
+    merged_by_peft = tmp_path / "merged"
+    merged_by_peft.mkdir()
+    for name in ("config.json", "tokenizer.model"):
+        shutil.copy(tiny_model / name, merged_by_peft)
+    save_file(weights, str(merged_by_peft / "model.safetensors"))
+    ours = logits(no_model)
+    assert_same_logits(logits(merged_by_peft), ours)
+    assert np.abs(logits(tiny_model) - ours).max() > 0.1  # and the adapter is really in there
+
+
+def test_transformers_export_reloads_with_the_merged_logits(no_model):
+    config = json.loads((no_model / "transformers" / "config.json").read_text())
+    assert config["architectures"] == ["GemmaForCausalLM"] and config["model_type"] == "gemma"
+    assert (no_model / "transformers" / "tokenizer.model").is_file()
+    assert_same_logits(logits(no_model / "transformers"), logits(no_model))
+
+
+def test_transformers_export_never_drops_an_unmerged_lora(no_model, tiny_model, tmp_path):
+    """keras-hub's exporter reads raw kernels: a LoRA-enabled model exports as if it had no adapter."""
+    import keras_hub
+    model = keras_hub.models.CausalLM.from_preset(str(tiny_model))
+    model.backbone.enable_lora(rank=4)
+    model.backbone.load_lora_weights(str(no_model / "adapter.lora.h5"))
+    model.export_to_transformers(str(tmp_path / "raw"))
+    config = json.loads((tmp_path / "raw" / "config.json").read_text())
+    (tmp_path / "raw" / "config.json").write_text(json.dumps(config | {"architectures": ["GemmaForCausalLM"]}))
+    assert_same_logits(logits(tmp_path / "raw"), logits(tiny_model))  # the trap: the adapter is gone
+    with pytest.raises(train_local.UserError, match="merged"):
+        train_local.export_transformers(tmp_path, model)
+
+
+def test_export_only_needs_a_trained_output(run_train, tmp_path):
+    result = run_train("--output", tmp_path / "nothing", "--export", "peft", "--export-only")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "--export-only" in result.stderr and "train first" in result.stderr
+    result = run_train("--output", tmp_path, "--export-only")
+    assert result.returncode == 2 and "--export-only needs --export" in result.stderr
+
+
+def test_the_adapter_helpers_are_the_same_in_both_scripts():
+    for name in ("AdapterError", "lora_layer", "kernel_axes", "lora_kernel_shapes", "keras_factors_to_peft",
+                 "read_keras_adapter"):
+        assert inspect.getsource(getattr(serve, name)) == inspect.getsource(getattr(train_local, name)), name
+    assert serve.LORA_MODULES == train_local.LORA_MODULES
