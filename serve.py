@@ -9,7 +9,8 @@ deliberate change: max_tokens counts new tokens, not prompt + new tokens. Also s
 instruction mode (POST / {"instruction", "context"?} with the template train_local.py recorded),
 OpenAI-compatible POST /v1/completions and /v1/chat/completions (streaming, log-probabilities),
 GET /v1/models, POST /tokenize and /detokenize, GET /health, GET /metrics, and GET /openapi.json,
-which describes all of them.
+which describes all of them. With --adapter NAME=PATH (or --enable-lora and POST /v1/load_lora_adapter)
+one base serves many LoRA fine-tunes, picked per request by the `model` field, mixed in one batch.
 
 Every program is compiled at start-up (per batch bucket: decode over each attention window of
 --length-buckets, and an insert per prompt block), so no request ever waits for XLA. Concurrent

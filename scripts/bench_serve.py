@@ -6,6 +6,12 @@
 article's server reads max_tokens as total length, so it is sent prompt tokens + new tokens and both
 generate the same. Reported: requests/s and tokens/s for each, XLA compilations in serve.py after
 warm-up (from /metrics), and serve.py's RSS over a soak at the same load (--soak-seconds 0 skips it).
+
+    python3 scripts/bench_serve.py --adapters 4 [--seconds 60]
+
+instead measures what many adapters cost: serve.py on the base alone, then the same base with 4 LoRA
+adapters (trained on different data seeds) and the same load spread evenly over them, so every decode
+batch mixes adapters; requests/s, tokens/s, memory per adapter slot and RSS for each.
 """
 import argparse
 import concurrent.futures
@@ -32,6 +38,7 @@ def parse_args():
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--soak-seconds", type=float, default=600)
     p.add_argument("--article", default=str(ARTICLE))
+    p.add_argument("--adapters", type=int, default=0, help="measure N adapters mixed vs the base alone instead")
     return p.parse_args()
 
 
@@ -71,7 +78,7 @@ def prompts(encode, n=64, seed=0):
     return out
 
 
-def load(url, pool, clients, seconds, article):
+def load(url, pool, clients, seconds, article, models=(None,)):
     """Runs `clients` threads against url for `seconds`; returns [requests, generated tokens, failures]."""
     stop_at = time.time() + seconds
     counts = [0, 0, 0]  # completed requests, generated tokens, failed requests (reset connections, errors)
@@ -83,6 +90,9 @@ def load(url, pool, clients, seconds, article):
             text, prompt_tokens = rng.choice(pool)
             new = rng.choice([16, 32, 48, 64])
             body = {"prompt": text, "max_tokens": prompt_tokens + new if article else new}
+            model = models[(i + counts[0]) % len(models)]
+            if model is not None:
+                body["model"] = model
             try:
                 answer = post(url, body)
             except OSError:  # the article's single-threaded server resets connections past its backlog
@@ -125,6 +135,61 @@ def make_bench_model(work, env):
     return hf_dir, model_dir
 
 
+def train_adapters(work, hf_dir, n, env):
+    """n adapters over the benchmark's base, each on other data (seed) with a learning rate that moves it."""
+    dirs = []
+    for i in range(n):
+        out = work / f"adapter-{i}"
+        subprocess.run([sys.executable, str(REPO / "train_local.py"), "--model", str(hf_dir), "--data",
+                        str(REPO / "tests/data/dolly_sample.jsonl"), "--limit", "16", "--max-steps", "4",
+                        "--seed", str(i + 1), "--learning-rate", "1e-3", "--eval-examples", "0", "--output", str(out)],
+                       check=True, env=env, capture_output=True)
+        dirs.append(out)
+    return dirs
+
+
+def serve_and_load(name, flags, env, pool, args, models):
+    port = free_port()
+    log_path = Path(tempfile.mkstemp(prefix=f"serve-{name}-", suffix=".log")[1])
+    with open(log_path, "w") as log:
+        server = subprocess.Popen([sys.executable, str(REPO / "serve.py"), "--host", "127.0.0.1", "--port", str(port),
+                                   "--max-batch-size", str(args.clients), "--compile-cache", "", *flags],
+                                  env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_until_up(url + "/health", server)
+            rss, compiles = rss_mib(server.pid), metric(url, "serve_compilations_total")
+            load(url + "/", pool, args.clients, min(10.0, args.seconds), article=False, models=models)  # settle
+            started = time.time()
+            counts = load(url + "/", pool, args.clients, args.seconds, article=False, models=models)
+            seconds = time.time() - started
+            compiles = metric(url, "serve_compilations_total") - compiles
+        finally:
+            server.terminate()
+            server.wait()
+    slot = next((line.split(": ")[-1] for line in log_path.read_text().splitlines() if "adapter slots" in line), "-")
+    print(f"{name}: {counts[0]} requests ({counts[2]} failed) in {seconds:.0f}s", flush=True)
+    return counts[0] / seconds, counts[1] / seconds, counts[2], compiles, rss, slot
+
+
+def bench_adapters(args, work, env, hf_dir, pool):
+    adapters = train_adapters(work, hf_dir, args.adapters, env)
+    names = [f"a{i}" for i in range(len(adapters))]
+    base_flags = ["--model", str(hf_dir)]
+    with_adapters = base_flags + [f for n, d in zip(names, adapters) for f in ("--adapter", f"{n}={d}")]
+    own = sum((d / "adapter.lora.h5").stat().st_size for d in adapters) / len(adapters) / 2**20
+    rows = {"base alone": serve_and_load("base", base_flags, env, pool, args, (None,)),
+            f"base + {len(names)} adapters, requests spread over them": serve_and_load(
+                "adapters", with_adapters, env, pool, args, tuple(names))}
+    print("\n| server | requests/s | generated tokens/s | failed | compilations under load | RSS after warm-up "
+          "| memory per adapter slot |\n|---|---|---|---|---|---|---|")
+    for name, (rps, tps, failed, compiles, rss, slot) in rows.items():
+        print(f"| {name} | {rps:.2f} | {tps:.1f} | {failed} | {compiles:.0f} | {rss:.0f} MiB | {slot} |")
+    (base_rps, *_), (mixed_rps, *_) = rows.values()
+    print(f"\nmixed adapters keep {100 * mixed_rps / base_rps:.0f}% of the base's requests/s; each adapter file "
+          f"{own:.2f} MiB; base weights {sum(f.stat().st_size for f in hf_dir.glob('*.safetensors')) / 2**20:.1f} MiB")
+
+
 def main():
     args = parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
@@ -133,6 +198,8 @@ def main():
     import sentencepiece as spm
     encode = spm.SentencePieceProcessor(model_file=str(hf_dir / "tokenizer.model")).encode
     pool = prompts(encode)
+    if args.adapters:
+        return bench_adapters(args, work, env, hf_dir, pool)
     results = {}
 
     port = free_port()
