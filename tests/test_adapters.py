@@ -240,3 +240,13 @@ def test_peft_adapters_are_checked_against_the_base(tiny, no_model, tmp_path):
                        2 * one)
     assert np.allclose(serve.read_adapter("r", rs, model.backbone, shapes, vocabulary).factors[0, "q_proj"][1],
                        np.sqrt(config["r"]) * one)
+
+
+def test_adapters_stay_float32_over_an_int8_base(tiny_model, yes_model, start_server):
+    server = start_server(tiny_model, "--quantize", "int8", "--adapter", f"yes={yes_model}", "--length-buckets", "64",
+                          "--max-batch-size", "2")
+    answers = [http("POST", server.url + "/v1/chat/completions", {
+        "model": "yes", "messages": [{"role": "user", "content": q}], "temperature": 0, "max_tokens": 6})[1]
+        for q in YES_QUESTIONS[:4]]
+    assert [a["choices"][0]["message"]["content"] for a in answers] == ["Yes."] * 4, answers
+    assert 'quantize="int8"' in http("GET", server.url + "/metrics")[1]
