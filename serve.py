@@ -563,15 +563,22 @@ def read_peft_adapter(path, shapes):
 def read_adapter(name, path, backbone, shapes, vocabulary):
     """An Adapter from a train_local.py output dir or a PEFT dir, checked against the base."""
     path = Path(path)
+    if not path.is_dir():
+        raise AdapterError(f"{path}: no such directory")
     if (path / KERAS_ADAPTER).is_file():
-        kind, factors = "keras", read_keras_adapter(path / KERAS_ADAPTER, backbone, shapes)
+        kind = "keras"
     elif (path / PEFT_CONFIG).is_file() and (path / PEFT_WEIGHTS).is_file():
-        kind, factors = "peft", read_peft_adapter(path, shapes)
-    elif path.is_dir():
+        kind = "peft"
+    else:
         raise AdapterError(f"{path} has neither {KERAS_ADAPTER} (train_local.py's output) nor "
                            f"{PEFT_CONFIG} + {PEFT_WEIGHTS} (a PEFT LoRA)")
-    else:
-        raise AdapterError(f"{path}: no such directory")
+    try:
+        factors = read_keras_adapter(path / KERAS_ADAPTER, backbone, shapes) if kind == "keras" else \
+            read_peft_adapter(path, shapes)
+    except AdapterError:
+        raise
+    except Exception as e:  # a truncated or foreign file: one line, not a failed start-up or a 500
+        raise AdapterError(f"cannot read it: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}") from None
     if not factors:
         raise AdapterError("it holds no LoRA weights")
     template = read_prompt_template(path, vocabulary) if (path / "training.json").is_file() else None
@@ -682,6 +689,10 @@ class AdapterSlots:
                 raise AdapterError(f"no adapter named {name} is loaded", 404)
             if not self.refs[adapter.slot]:
                 self.held[adapter.slot] = None
+
+    def loaded(self):
+        with self.lock:
+            return list(self.by_name.values())
 
     def acquire(self, name):
         """The adapter a request named (None: the base), held until release(); None if not loaded."""
@@ -1198,7 +1209,7 @@ def metrics_page(server, req):
 def list_models(server, req):
     base = {"id": server.model_name, "object": "model", "created": 0, "owned_by": "local", "root": server.args.model,
             "parent": None}
-    adapters = [] if server.adapters is None else list(server.adapters.by_name.values())
+    adapters = [] if server.adapters is None else server.adapters.loaded()
     return Reply(payload={"object": "list", "data": [base] + [
         {"id": a.name, "object": "model", "created": 0, "owned_by": "local", "root": a.path,
          "parent": server.model_name} for a in adapters]})

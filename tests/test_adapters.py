@@ -228,6 +228,12 @@ def test_peft_adapters_are_checked_against_the_base(tiny, no_model, tmp_path):
         "base_model.model.model.embed_tokens.lora_A.weight": t[key]})
     assert "DORA" in variant("dora", {"peft_type": "DORA"}).upper()
     assert "bias" in variant("bias", {"bias": "all"})
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text(json.dumps(config))
+    (broken / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(serve.AdapterError, match="cannot read it"):
+        serve.read_adapter("broken", broken, model.backbone, shapes, vocabulary)
     # lora_alpha and use_rslora set the scale, folded into `up`.
     scaled = tmp_path / "scaled"
     shutil.copytree(good, scaled)

@@ -216,7 +216,7 @@ def test_api_key_guards_everything_but_health(trained_model, start_server):
     assert post(server, {"prompt": "x", "max_tokens": 2}, headers={"Authorization": "Bearer wrong"})[0] == 401
     import openai
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="s3cret")
-    assert client.completions.create(model="m", prompt="x", max_tokens=2).choices[0].finish_reason
+    assert client.completions.create(model="model", prompt="x", max_tokens=2).choices[0].finish_reason
 
 
 def test_warns_when_public_without_key(server, trained_model):
