@@ -586,6 +586,8 @@ def read_adapter(name, path, backbone, shapes, vocabulary):
 
 
 class Adapter:
+    """One loaded adapter: its PEFT-form factors, the template it was trained with (if recorded), its slot."""
+
     def __init__(self, name, path, kind, factors, template):
         self.name, self.path, self.kind, self.factors, self.template = name, path, kind, factors, template
         self.rank = max(down.shape[1] for down, _ in factors.values())
@@ -896,9 +898,9 @@ class Engine:
                 f"{','.join(slots.modules)}: {slots.slot_bytes / 2**20:,.1f} MiB each")
 
     def generate(self, rows, batch):
-        """Decodes `rows` (Generation objects) in a batch of `batch` rows, each taking a row as one frees;
-        returns the batch."""
-        decoding = DecodeBatch(self, batch)
+        """Decodes `rows` (Generation objects) in a batch of `batch` rows (or the smallest compiled size
+        above), each taking a row as one frees; returns the batch."""
+        decoding = DecodeBatch(self, self.batch_for(batch))
         waiting = list(rows)
         while waiting or decoding.active:
             while waiting and decoding.free_rows:
@@ -2227,8 +2229,11 @@ def adapter_slots_for(args, model, shapes, distribution):
     import jax
     vocabulary = model.preprocessor.tokenizer.get_vocabulary()
     adapters = []
+    base_names = (Path(args.model.rstrip("/")).name or args.model, args.model)
     for name, path in args.adapter.items():
         try:
+            if name in base_names:
+                raise AdapterError(f"{name} is the base model's name: give the adapter another")
             if not shapes:
                 raise AdapterError(f"{type(model.backbone).__name__} is not a Gemma decoder this server can adapt")
             adapters.append(read_adapter(name, path, model.backbone, shapes, vocabulary))

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import ADAPTER_SERVE_FLAGS, REPO, SAMPLE_DATA, YES_QUESTIONS, http, script_env
+from conftest import REPO, SAMPLE_DATA, YES_QUESTIONS, http, script_env
 
 CHAT = "<start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n"
 ARTICLE = "Instruction:\n{}\n\nResponse:\n"
@@ -171,6 +171,9 @@ def test_an_adapter_that_cannot_be_served_is_one_line_and_exit_2(tiny_model, no_
     assert code == 2 and "Traceback" not in out, out
     [line] = [line for line in out.splitlines() if "--adapter" in line]
     assert "--adapter no=" in line and "rank 16" in line and "--max-lora-rank 8" in line
+    code, out = serve_exit("--model", str(tiny_model), "--adapter", f"{tiny_model.name}={no_model}",
+                           "--compile-cache", compile_cache)
+    assert code == 2 and "the base model's name" in out and "Traceback" not in out, out
 
 
 @pytest.fixture(scope="module")
