@@ -281,11 +281,10 @@ def check_model_exists(preset):
 def check_adapters_exist(args):
     """A wrong adapter path is one line before binding the port, as a wrong --model is."""
     for name, path in args.adapter.items():
-        path = Path(path)
-        if not path.is_dir() or not ((path / "adapter.lora.h5").is_file() or (path / "adapter_config.json").is_file()):
-            what = "no such directory" if not path.is_dir() else \
-                "neither adapter.lora.h5 (train_local.py's output) nor adapter_config.json (a PEFT LoRA) is there"
-            print(f"error: --adapter {name}={path}: {what}", file=sys.stderr)
+        try:
+            adapter_kind(Path(path))
+        except AdapterError as e:
+            print(f"error: --adapter {name}={path}: {e}", file=sys.stderr)
             raise SystemExit(2)
 
 
@@ -467,9 +466,9 @@ def lora_equations(equation):
     """Two einsums for x -> x·down -> ·up, from the layer's own equation."""
     inputs, output = equation.split("->")
     x, kernel = inputs.split(",")
+    ins, outs = kernel_axes(equation)
     r = next(c for c in "rzyxwvuqpo" if c not in equation)
-    k_in = "".join(c for c in kernel if c in x and c not in output)
-    k_out = "".join(c for c in kernel if c in output and c not in x)
+    k_in, k_out = "".join(kernel[i] for i in ins), "".join(kernel[i] for i in outs)
     kept = "".join(c for c in x if c not in k_in)
     return f"{x},{k_in}{r}->{kept}{r}", f"{kept}{r},{r}{k_out}->{output}"
 
@@ -560,18 +559,22 @@ def read_peft_adapter(path, shapes):
     return factors
 
 
-def read_adapter(name, path, backbone, shapes, vocabulary):
-    """An Adapter from a train_local.py output dir or a PEFT dir, checked against the base."""
-    path = Path(path)
+def adapter_kind(path):
+    """"keras" for a train_local.py output dir, "peft" for a PEFT LoRA dir; AdapterError otherwise."""
     if not path.is_dir():
         raise AdapterError(f"{path}: no such directory")
     if (path / KERAS_ADAPTER).is_file():
-        kind = "keras"
-    elif (path / PEFT_CONFIG).is_file() and (path / PEFT_WEIGHTS).is_file():
-        kind = "peft"
-    else:
-        raise AdapterError(f"{path} has neither {KERAS_ADAPTER} (train_local.py's output) nor "
-                           f"{PEFT_CONFIG} + {PEFT_WEIGHTS} (a PEFT LoRA)")
+        return "keras"
+    if (path / PEFT_CONFIG).is_file() and (path / PEFT_WEIGHTS).is_file():
+        return "peft"
+    raise AdapterError(f"{path} has neither {KERAS_ADAPTER} (train_local.py's output) nor "
+                       f"{PEFT_CONFIG} + {PEFT_WEIGHTS} (a PEFT LoRA)")
+
+
+def read_adapter(name, path, backbone, shapes, vocabulary):
+    """An Adapter from a train_local.py output dir or a PEFT dir, checked against the base."""
+    path = Path(path)
+    kind = adapter_kind(path)
     try:
         factors = read_keras_adapter(path / KERAS_ADAPTER, backbone, shapes) if kind == "keras" else \
             read_peft_adapter(path, shapes)
@@ -611,9 +614,9 @@ class AdapterSlots:
                 continue
             ins, outs = kernel_axes(equation)
             ins, outs = tuple(shape[a] for a in ins), tuple(shape[a] for a in outs)
-            self.sizes[i, m] = (int(np.prod(ins)), int(np.prod(outs)))
-            tables[f"{i}.{m}"] = (np.zeros((max_adapters + 1, *self.sizes[i, m][:1], max_rank), np.float32),
-                                  np.zeros((max_adapters + 1, max_rank, self.sizes[i, m][1]), np.float32))
+            n_in, n_out = self.sizes[i, m] = (int(np.prod(ins)), int(np.prod(outs)))
+            tables[f"{i}.{m}"] = (np.zeros((max_adapters + 1, n_in, max_rank), np.float32),
+                                  np.zeros((max_adapters + 1, max_rank, n_out), np.float32))
             self.attach(lora_layer(backbone, i, m), f"{i}.{m}", equation, ins, outs)
         self.slot_bytes = sum(a.nbytes for a in jax.tree.leaves(tables)) // (max_adapters + 1)
         self.put, self.tables = put, put(tables)
@@ -1003,11 +1006,11 @@ class DecodeBatch:
 class Generation:
     """One prompt being decoded: collects tokens, applies stops, reports events for streaming."""
 
-    def __init__(self, prompt_ids, max_tokens, sampling, seed, stop, events, index=0, logprobs=None, adapter=None,
-                 release=None):
+    def __init__(self, prompt_ids, max_tokens, sampling, seed, stop, events, index=0, logprobs=None):
         self.prompt_ids, self.max_tokens, self.sampling, self.seed = prompt_ids, max_tokens, sampling, seed
-        # The LoRA adapter it decodes with (None: the base); release() hands its slot back when it ends.
-        self.adapter, self.slot, self.release = adapter, 0 if adapter is None else adapter.slot, release
+        # The LoRA adapter it decodes with (None: the base) and its slot; release() hands the slot back
+        # when it ends. start_generations() sets them.
+        self.adapter, self.slot, self.release = None, 0, None
         self.model = None  # the name it was asked for, for per-model metrics
         self.stop, self.events, self.index = stop, events, index
         self.ids, self.text, self.sent, self.finish_reason = [], "", 0, None
@@ -1197,6 +1200,7 @@ class Server:
         self.engine = None
         self.template = dict(TEMPLATES["article"], name="article")
         self.model_name = Path(args.model.rstrip("/")).name or args.model
+        self.base_names = (self.model_name, args.model)  # what `model` may say to mean the base
         self.adapters = None  # AdapterSlots when LoRA adapters are served
         self.kernel_shapes = {}  # what adapters are checked against
         self.in_flight = 0
@@ -1228,7 +1232,7 @@ def load_lora_adapter(server, req):
     name, path = body.get("lora_name"), body.get("lora_path")
     if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
         raise RequestError(400, "send 'lora_name' and 'lora_path' (an adapter dir on this server), both strings")
-    if name in (server.model_name, server.args.model):
+    if name in server.base_names:
         raise RequestError(409, f"the name {name} is the base model's")
     vocabulary = server.engine.pieces
     try:
@@ -1595,7 +1599,7 @@ def pick_model(server, body):
     """(name, adapter or None, prompt template) for the request's `model`: absent or the base's name
     means the base; an adapter brings the template it was trained with, if it recorded one."""
     name = body.get("model")
-    if name is None or name in (server.model_name, server.args.model):
+    if name is None or name in server.base_names:
         return server.model_name, None, server.template
     if not isinstance(name, str):
         raise RequestError(400, "'model' must be a string")
@@ -2222,17 +2226,17 @@ def batch_buckets(max_batch_size, batch_axis):
     return sorted({-(-s // batch_axis) * batch_axis for s in sizes})
 
 
-def adapter_slots_for(args, model, shapes, distribution):
+def adapter_slots_for(server, model, distribution):
     """The adapter slots, with every --adapter read, checked and loaded (None when none are asked for)."""
+    args, shapes = server.args, server.kernel_shapes
     if not args.adapter and not args.enable_lora:
         return None
     import jax
     vocabulary = model.preprocessor.tokenizer.get_vocabulary()
     adapters = []
-    base_names = (Path(args.model.rstrip("/")).name or args.model, args.model)
     for name, path in args.adapter.items():
         try:
-            if name in base_names:
+            if name in server.base_names:
                 raise AdapterError(f"{name} is the base model's name: give the adapter another")
             if not shapes:
                 raise AdapterError(f"{type(model.backbone).__name__} is not a Gemma decoder this server can adapt")
@@ -2281,7 +2285,7 @@ def load(server):
             f"{'' if args.quantize == 'none' else ' with ' + args.quantize + ' weights'}, "
             f"weights {METRICS.weight_bytes / 2**20:,.1f} MiB")
         server.state = "warming"
-        server.adapters = adapter_slots_for(args, model, server.kernel_shapes, distribution)
+        server.adapters = adapter_slots_for(server, model, distribution)
         engine = Engine(model, batch_buckets(args.max_batch_size, batch_axis), args.length_buckets, distribution,
                         adapters=server.adapters)
         started = time.time()
