@@ -79,8 +79,8 @@ def parse_args(argv=None):
     p.add_argument("--max-lora-rank", type=int, default=64,
                    help="largest adapter rank (PEFT's r; train_local.py's rank times the query heads) (default: 64)")
     p.add_argument("--lora-modules", default=None,
-                   help="projections adapters may change, of " + ",".join(LORA_MODULES) + " (default: q_proj,v_proj "
-                        "and all that the --adapter ones change)")
+                   help="projections adapters may change, of " + ",".join(LORA_MODULES) + ", or all-linear (default: "
+                        "q_proj,v_proj and all that the --adapter ones change)")
     p.add_argument("--host", default="0.0.0.0", help="bind address (default: %(default)s)")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--max-batch-size", type=int, default=8, help="most requests decoded together (default: 8)")
@@ -134,10 +134,10 @@ def parse_args(argv=None):
         p.error(f"--max-adapters ({args.max_adapters}) must be at least 1 and hold every --adapter ({len(adapters)}); "
                 "--max-lora-rank at least 1")
     if args.lora_modules is not None:
-        args.lora_modules = [m.strip() for m in args.lora_modules.split(",") if m.strip()]
-        unknown = sorted(set(args.lora_modules) - set(LORA_MODULES))
-        if unknown or not args.lora_modules:
-            p.error(f"--lora-modules: {','.join(unknown) or 'none given'}; choose from {','.join(LORA_MODULES)}")
+        try:
+            args.lora_modules = parse_lora_modules(args.lora_modules)
+        except ValueError as e:
+            p.error(f"--lora-modules: {e}")
     if (adapters or args.enable_lora) and args.distribution == "model":
         p.error("--adapter/--enable-lora cannot be combined with --distribution model yet")
     return args
@@ -431,9 +431,29 @@ LORA_MODULES = {  # PEFT's module names -> where keras-hub's Gemma decoder block
     "v_proj": ("attention", "value_dense"), "o_proj": ("attention", "output_dense"),
     "gate_proj": ("gating_ffw",), "up_proj": ("gating_ffw_2",), "down_proj": ("ffw_linear",),
 }
-DEFAULT_LORA_MODULES = ("q_proj", "v_proj")  # what keras-hub's enable_lora and PEFT's Gemma default train
 KERAS_ADAPTER, PEFT_CONFIG, PEFT_WEIGHTS = "adapter.lora.h5", "adapter_config.json", "adapter_model.safetensors"
 PEFT_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
+
+
+DEFAULT_LORA_MODULES = ("q_proj", "v_proj")  # what keras-hub's enable_lora and PEFT's Gemma default train
+
+
+def parse_lora_modules(spec):
+    """--lora-modules: PEFT's projection names, comma-separated, or all-linear for every one; in
+    LORA_MODULES' order."""
+    names = set(LORA_MODULES) if spec.strip() == "all-linear" else {m.strip() for m in spec.split(",") if m.strip()}
+    unknown = sorted(names - set(LORA_MODULES))
+    if unknown or not names:
+        raise ValueError(f"{','.join(unknown) or 'none given'}: choose from {','.join(LORA_MODULES)}, or all-linear")
+    return [m for m in LORA_MODULES if m in names]
+
+
+def keras_lora_scale(model_dir):
+    """alpha / rank of a train_local.py adapter, from its training.json (the .lora.h5 keeps only the rank);
+    1.0, keras-hub's own scale, for a run that recorded no alpha."""
+    record = Path(model_dir) / "training.json"
+    args = json.loads(record.read_text()).get("args", {}) if record.is_file() else {}
+    return args["lora_alpha"] / args["lora_rank"] if args.get("lora_alpha") else 1.0
 
 
 class AdapterError(Exception):
@@ -576,8 +596,12 @@ def read_adapter(name, path, backbone, shapes, vocabulary):
     path = Path(path)
     kind = adapter_kind(path)
     try:
-        factors = read_keras_adapter(path / KERAS_ADAPTER, backbone, shapes) if kind == "keras" else \
-            read_peft_adapter(path, shapes)
+        if kind == "keras":  # PEFT's form keeps the scale folded into `up`; the .h5 has none, its record does
+            scale = keras_lora_scale(path)
+            factors = {key: (down, up * scale) for key, (down, up) in
+                       read_keras_adapter(path / KERAS_ADAPTER, backbone, shapes).items()}
+        else:
+            factors = read_peft_adapter(path, shapes)
     except AdapterError:
         raise
     except Exception as e:  # a truncated or foreign file: one line, not a failed start-up or a 500
@@ -1336,7 +1360,7 @@ def chat_completions(server, req):
         raise RequestError(400, "'response_format' must be {\"type\": \"text\"}: JSON output modes are not supported")
     check_n(body)
     model, _, template = pick_model(server, body)
-    prompt = render_chat(parse_messages(body.get("messages")), template)
+    prompt = chat_prompt(body.get("messages"), template)
     logprobs, top_logprobs = body.get("logprobs", False), body.get("top_logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
         raise RequestError(400, "'logprobs' must be a boolean")
@@ -1378,7 +1402,7 @@ def tokenize(server, req):
     body = req.json()
     engine = ready_engine(server)
     if "messages" in body:
-        text = render_chat(parse_messages(body["messages"]), pick_model(server, body)[2])
+        text = chat_prompt(body["messages"], pick_model(server, body)[2])
     else:
         text = body.get("prompt")
         if not isinstance(text, str):
@@ -1621,49 +1645,76 @@ def adapter_slots(server):
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
+class ChatError(ValueError):
+    """A conversation that cannot be rendered, said in one line."""
+
+
 def parse_messages(messages):
-    """OpenAI chat messages -> [(role, text)], roles system/user/assistant; text parts joined by newlines."""
+    """OpenAI / TRL chat messages -> [(role, text, weight)]: developer counts as system, text parts are
+    joined by newlines, and weight (OpenAI's fine-tuning field: 0 = context only) is 0 or 1, 1 if absent."""
     if not isinstance(messages, list) or not messages:
-        raise RequestError(400, "'messages' must be a non-empty list")
+        raise ChatError("'messages' must be a non-empty list")
     parsed = []
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or message["role"] not in CHAT_ROLES:
-            raise RequestError(400, f"messages[{i}]: 'role' must be one of system, user, assistant")
+        role = message.get("role") if isinstance(message, dict) else None
+        if not isinstance(role, str) or role not in CHAT_ROLES:
+            raise ChatError(f"messages[{i}]: 'role' must be one of system, developer, user, assistant")
         content = message.get("content")
-        if content is None and message["role"] == "assistant":
+        if content is None and role == "assistant":
             content = ""
         if isinstance(content, list):
             if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
                        for part in content):
-                raise RequestError(400, f"messages[{i}]: only text content parts ({{\"type\": \"text\", \"text\"}}) "
-                                        "are supported")
+                raise ChatError(f"messages[{i}]: only text content parts ({{\"type\": \"text\", \"text\"}}) "
+                                "are supported")
             content = "\n".join(part["text"] for part in content)
         if not isinstance(content, str):
-            raise RequestError(400, f"messages[{i}]: 'content' must be a string or a list of text parts")
-        parsed.append((CHAT_ROLES[message["role"]], content))
+            raise ChatError(f"messages[{i}]: 'content' must be a string or a list of text parts")
+        weight = message.get("weight", 1)
+        if isinstance(weight, bool) or weight not in (0, 1):
+            raise ChatError(f"messages[{i}]: 'weight' must be 0 or 1")
+        parsed.append((CHAT_ROLES[role], content, int(weight)))
     return parsed
 
 
-def render_chat(messages, template):
-    """The prompt a conversation becomes: every user/assistant pair as a finished turn of the template,
-    the last user message as an open one. System text goes before the first user message (neither
-    template has a system role), and a single user message gives exactly instruction mode's prompt."""
-    system = "\n\n".join(text for role, text in messages if role == "system")
-    turns = []
-    for role, text in messages:
+def render_chat(messages, template, last_role="user"):
+    """A conversation as the template renders it: [(text, weight)], weight None for what the template and
+    the system/user messages put there, and an assistant message's own weight for its text (and its
+    turn's end marker). System text goes before the first user message (neither template has a system
+    role) and consecutive messages of one role join with a blank line. Serving ends on a user message,
+    whose turn is left open for the model; a single user message gives exactly instruction mode's
+    prompt. Training ends on an assistant message."""
+    system = "\n\n".join(text for role, text, _ in messages if role == "system")
+    turns = []  # [role, [(text, weight), ...]]
+    for role, text, weight in messages:
         if role == "system":
             continue
         if turns and turns[-1][0] == role:
-            turns[-1][1] += "\n\n" + text
+            turns[-1][1].append(("\n\n" + text, weight))
         else:
-            turns.append([role, text])
-    if not turns or turns[0][0] != "user" or turns[-1][0] != "user":
-        raise RequestError(400, "'messages' must start (after system messages) and end with a user message")
+            turns.append([role, [(text, weight)]])
+    if not turns or turns[0][0] != "user" or turns[-1][0] != last_role:
+        raise ChatError(f"'messages' must start (after system messages) with a user message and end with "
+                        f"a{'n' if last_role == 'assistant' else ''} {last_role} message")
     if system:
-        turns[0][1] = system + "\n\n" + turns[0][1]
-    done = [template["prompt"].format(instruction=user) + answer + template["response_suffix"]
-            for (_, user), (_, answer) in zip(turns[:-1:2], turns[1::2])]
-    return template["turn_separator"].join(done + [template["prompt"].format(instruction=turns[-1][1])])
+        turns[0][1].insert(0, (system + "\n\n", None))
+    segments = []
+    for role, parts in turns:
+        if role == "user":
+            opener = template["turn_separator"] if segments else ""
+            segments.append((opener + template["prompt"].format(instruction="".join(t for t, _ in parts)), None))
+        else:
+            text, weight = parts[-1]
+            segments += parts[:-1] + [(text + template["response_suffix"], weight)]
+    return segments
+
+
+def chat_prompt(messages, template):
+    """The prompt a chat request becomes; 400 for a conversation that cannot be rendered."""
+    try:
+        return "".join(text for text, _ in render_chat(parse_messages(messages), template))
+    except ChatError as e:
+        raise RequestError(400, str(e)) from None
 
 
 def token_bytes(engine, token_id):

@@ -13,6 +13,7 @@ throughput are reported honestly. Options that change what is trained are flags 
     python3 train_local.py --model DIR --data FILE.jsonl     # offline, any Gemma preset
 """
 import argparse
+import functools
 import json
 import math
 import os
@@ -63,16 +64,29 @@ def parse_args(argv=None):
     g.add_argument("--learning-rate", type=float, default=5e-5)
 
     g = p.add_argument_group("what is trained (each changes the result; defaults are the article's)")
+    g.add_argument("--data-format", choices=["auto", *DATA_FORMATS], default="auto",
+                   help="dolly: instruction/response records (the article's); messages: chat conversations "
+                        "{\"messages\": [{\"role\", \"content\"}, ...]} as OpenAI and TRL have them; "
+                        "prompt-completion: {\"prompt\", \"completion\"}, the prompt as is; text: {\"text\"}, plain "
+                        "language modelling. auto (default) decides from the first good record. JSONL or a JSON array")
     g.add_argument("--template", choices=sorted(TEMPLATES), default="article",
-                   help="prompt format: 'article' (Instruction:/Response:) or 'gemma-chat' (Gemma's "
-                        "<start_of_turn> turns, answers end with <end_of_turn>); recorded for serve.py")
+                   help="prompt format for dolly and messages records: 'article' (Instruction:/Response:) or "
+                        "'gemma-chat' (Gemma's <start_of_turn> turns, answers end with <end_of_turn>); recorded "
+                        "for serve.py")
     g.add_argument("--use-context", action="store_true",
                    help="put Dolly's context into the prompt under a 'Context:' heading")
-    g.add_argument("--loss-on", choices=["all", "response"], default="all",
-                   help="'all' (article): every token; 'response': prompt tokens get zero weight")
+    g.add_argument("--loss-on", choices=["all", "response", "assistant"], default=None,
+                   help="'all': every token; 'response' (or 'assistant'): only the answers (Dolly's response, the "
+                        "completion, the assistant turns) and their end. Default: all for dolly (the article) and "
+                        "text, the answers for messages and prompt-completion")
     g.add_argument("--instruction-field", default="instruction")
     g.add_argument("--context-field", default="context")
     g.add_argument("--response-field", default="response")
+    g.add_argument("--lora-modules", default=",".join(DEFAULT_LORA_MODULES),
+                   help="projections that get a LoRA adapter, by PEFT's names: any of " + ",".join(LORA_MODULES) +
+                        ", or all-linear for all seven (default: %(default)s, the article's)")
+    g.add_argument("--lora-alpha", type=float, default=None,
+                   help="LoRA scale numerator: updates are scaled alpha/rank (default: the rank, scale 1, the article's)")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "mixed_bfloat16"], default=None,
                    help="weights/compute precision (default: whatever the preset loads as, like the article)")
     g.add_argument("--quantize", choices=["none", "int8", "int4"], default="none",
@@ -80,6 +94,20 @@ def parse_args(argv=None):
                         "the saved preset merges the adapter into the original-dtype base (default: none)")
     g.add_argument("--seed", type=int, default=0, help="data order and LoRA initialisation (default: 0)")
     g.add_argument("--max-steps", type=int, default=0, help="stop after N optimizer steps; 0 = no cap")
+
+    g = p.add_argument_group("optimisation (defaults are the article's: AdamW, constant learning rate)")
+    g.add_argument("--lr-schedule", choices=["constant", "linear", "cosine"], default="constant",
+                   help="learning rate after the warm-up: constant, or decaying to 0 at the last step linearly or "
+                        "along a half cosine (Hugging Face's schedules) (default: constant)")
+    g.add_argument("--warmup-steps", type=int, default=0,
+                   help="learning rate rises linearly from 0 over the first N optimizer steps (default: 0)")
+    g.add_argument("--gradient-accumulation", type=int, default=1,
+                   help="one optimizer step per N batches of --batch-size, equal to one step on all their tokens "
+                        "(default: 1)")
+    g.add_argument("--max-grad-norm", type=float, default=None,
+                   help="clip the gradient to this global norm (default: no clipping, like the article)")
+    g.add_argument("--weight-decay", type=float, default=0.004,
+                   help="AdamW's decoupled weight decay (default: 0.004, Keras's AdamW default the article used)")
 
     g = p.add_argument_group("evaluation, data hygiene, speed")
     g.add_argument("--eval-examples", type=int, default=100,
@@ -90,6 +118,14 @@ def parse_args(argv=None):
     g.add_argument("--buckets", default="auto",
                    help="comma-separated sequence-length buckets, each compiled once; 'auto' = L/4,L/2,L; "
                         "pass just the sequence length to pad everything to it like the article")
+    g.add_argument("--eval-every", type=int, default=0,
+                   help="also measure the held-out loss every N optimizer steps (logged, in training.json and "
+                        "loss.png); 0 = only before and after training (default: 0)")
+    g.add_argument("--keep-best", action="store_true",
+                   help="publish the step with the lowest held-out loss (needs --eval-every), not the last")
+    g.add_argument("--remat", action="store_true",
+                   help="gradient checkpointing: recompute each decoder block's activations in the backward pass, "
+                        "trading compute for memory (same result)")
     g.add_argument("--compile-cache", default=str(Path.home() / ".cache" / "gemma-lora-xla"),
                    help="JAX persistent compilation cache dir; '' disables (default: %(default)s)")
 
@@ -118,9 +154,26 @@ def parse_args(argv=None):
     for name in ("lora_rank", "sequence_length", "batch_size", "epochs"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
-    for name in ("limit", "eval_examples", "max_steps", "checkpoint_every"):
+    for name in ("limit", "eval_examples", "max_steps", "checkpoint_every", "warmup_steps", "eval_every"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must not be negative")
+    if args.gradient_accumulation < 1:
+        p.error("--gradient-accumulation must be at least 1")
+    for name in ("lora_alpha", "max_grad_norm"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be positive")
+    if args.weight_decay < 0:
+        p.error("--weight-decay must not be negative")
+    try:
+        args.lora_modules = parse_lora_modules(args.lora_modules)
+    except ValueError as e:
+        p.error(f"--lora-modules: {e}")
+    if args.lora_alpha is None:
+        args.lora_alpha = float(args.lora_rank)
+    if args.keep_best and not args.eval_every:
+        p.error("--keep-best needs --eval-every N (and held-out records: --eval-examples)")
+    if args.eval_every and not args.eval_examples:
+        p.error("--eval-every needs held-out records: --eval-examples N")
     args.export = [f.strip() for f in args.export.split(",") if f.strip()]
     if set(args.export) - set(EXPORTS):
         p.error(f"--export {','.join(args.export)}: choose from {','.join(EXPORTS)}")
@@ -142,6 +195,17 @@ def log(*parts):
 
 
 # ----------------------------------------------------------------------------- data
+# Every record becomes a list of (text, kind) segments, tokenized one by one and joined: "prompt" is
+# what the template and the user put there, "answer" is what the model is taught to say, "context" is
+# an answer it sees but is not taught (an assistant message with "weight": 0). --loss-on decides what
+# a prompt weighs; answers always weigh 1 and context 0.
+
+DATA_FORMATS = ("dolly", "messages", "prompt-completion", "text")
+
+
+class BadRecord(Exception):
+    """What is wrong with one record, in a few words."""
+
 
 def fetch(source):
     """Returns a local path for `source`, downloading a URL once (atomically) and reusing it after."""
@@ -180,38 +244,47 @@ def show_download_progress(done, total):
         print(f"\r  downloaded {done / 1e6:8.1f} MB{pct}", end="", flush=True)
 
 
-def read_records(path, args):
-    """Yields (line_number, record) for good lines; raises UserError naming the first bad one."""
-    required = [args.instruction_field, args.response_field]
-    bad = 0
+def json_records(path):
+    """Yields (where, record or BadRecord) for a JSONL file ("file:LINE") or a JSON array ("file[INDEX]").
+    Hugging Face's to_json writes JSONL into .json files, so the content decides, not the name."""
     with open(path, encoding="utf-8", errors="strict") as f:
-        for line_number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            problem = None
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                problem = f"not valid JSON ({e.msg})"
-            else:
-                if not isinstance(record, dict):
-                    problem = f"expected a JSON object, got {type(record).__name__}"
-                else:
-                    for field in required:
-                        if field not in record:
-                            problem = f"missing field '{field}'"
-                        elif not isinstance(record[field], str):
-                            problem = f"field '{field}' is {type(record[field]).__name__}, not a string"
-                    context = record.get(args.context_field, "")
-                    if problem is None and args.use_context and not isinstance(context, str):
-                        problem = f"field '{args.context_field}' is {type(context).__name__}, not a string"
-            if problem:
-                if not args.skip_bad_lines:
-                    raise UserError(f"{path}:{line_number}: {problem}. Fix the line or pass --skip-bad-lines.")
-                bad += 1
-                continue
-            yield line_number, record
-    read_records.skipped = bad
+        text = f.read()
+    if text.lstrip().startswith("["):
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}: not a valid JSON array ({e.msg} at line {e.lineno} column {e.colno})") from None
+        for index, record in enumerate(records):
+            yield f"{path}[{index}]", record
+        return
+    for line_number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            yield f"{path}:{line_number}", json.loads(line)
+        except json.JSONDecodeError as e:
+            yield f"{path}:{line_number}", BadRecord(f"not valid JSON ({e.msg})")
+
+
+def detect_format(record, args):
+    """The format a record's fields say it is in (--data-format auto), or None."""
+    if "messages" in record:
+        return "messages"
+    if "prompt" in record and "completion" in record:
+        return "prompt-completion"
+    if "text" in record:
+        return "text"
+    if args.instruction_field in record and args.response_field in record:
+        return "dolly"
+    return None
+
+
+def string_field(record, field):
+    if field not in record:
+        raise BadRecord(f"missing field '{field}'")
+    if not isinstance(record[field], str):
+        raise BadRecord(f"field '{field}' is {type(record[field]).__name__}, not a string")
+    return record[field]
 
 
 def format_prompt(record, args):
@@ -222,28 +295,183 @@ def format_prompt(record, args):
     return template["prompt"].format(instruction=record[args.instruction_field])
 
 
+def dolly_example(record, args):
+    """The article's instruction/response pair in the template (Dolly's field names, or --*-field)."""
+    string_field(record, args.instruction_field)
+    response = string_field(record, args.response_field)
+    context = record.get(args.context_field, "")
+    if args.use_context and context is not None and not isinstance(context, str):
+        raise BadRecord(f"field '{args.context_field}' is {type(context).__name__}, not a string")
+    return [(format_prompt(record, args), "prompt"),
+            (response + TEMPLATES[args.template]["response_suffix"], "answer")]
+
+
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+class ChatError(ValueError):
+    """A conversation that cannot be rendered, said in one line."""
+
+
+def parse_messages(messages):
+    """OpenAI / TRL chat messages -> [(role, text, weight)]: developer counts as system, text parts are
+    joined by newlines, and weight (OpenAI's fine-tuning field: 0 = context only) is 0 or 1, 1 if absent."""
+    if not isinstance(messages, list) or not messages:
+        raise ChatError("'messages' must be a non-empty list")
+    parsed = []
+    for i, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        if not isinstance(role, str) or role not in CHAT_ROLES:
+            raise ChatError(f"messages[{i}]: 'role' must be one of system, developer, user, assistant")
+        content = message.get("content")
+        if content is None and role == "assistant":
+            content = ""
+        if isinstance(content, list):
+            if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                       for part in content):
+                raise ChatError(f"messages[{i}]: only text content parts ({{\"type\": \"text\", \"text\"}}) "
+                                "are supported")
+            content = "\n".join(part["text"] for part in content)
+        if not isinstance(content, str):
+            raise ChatError(f"messages[{i}]: 'content' must be a string or a list of text parts")
+        weight = message.get("weight", 1)
+        if isinstance(weight, bool) or weight not in (0, 1):
+            raise ChatError(f"messages[{i}]: 'weight' must be 0 or 1")
+        parsed.append((CHAT_ROLES[role], content, int(weight)))
+    return parsed
+
+
+def render_chat(messages, template, last_role="user"):
+    """A conversation as the template renders it: [(text, weight)], weight None for what the template and
+    the system/user messages put there, and an assistant message's own weight for its text (and its
+    turn's end marker). System text goes before the first user message (neither template has a system
+    role) and consecutive messages of one role join with a blank line. Serving ends on a user message,
+    whose turn is left open for the model; a single user message gives exactly instruction mode's
+    prompt. Training ends on an assistant message."""
+    system = "\n\n".join(text for role, text, _ in messages if role == "system")
+    turns = []  # [role, [(text, weight), ...]]
+    for role, text, weight in messages:
+        if role == "system":
+            continue
+        if turns and turns[-1][0] == role:
+            turns[-1][1].append(("\n\n" + text, weight))
+        else:
+            turns.append([role, [(text, weight)]])
+    if not turns or turns[0][0] != "user" or turns[-1][0] != last_role:
+        raise ChatError(f"'messages' must start (after system messages) with a user message and end with "
+                        f"a{'n' if last_role == 'assistant' else ''} {last_role} message")
+    if system:
+        turns[0][1].insert(0, (system + "\n\n", None))
+    segments = []
+    for role, parts in turns:
+        if role == "user":
+            opener = template["turn_separator"] if segments else ""
+            segments.append((opener + template["prompt"].format(instruction="".join(t for t, _ in parts)), None))
+        else:
+            text, weight = parts[-1]
+            segments += parts[:-1] + [(text + template["response_suffix"], weight)]
+    return segments
+
+
+def messages_example(record, args, messages=None):
+    """A conversation (OpenAI fine-tuning files, TRL's conversational data sets), rendered by the very
+    renderer serve.py's chat completions use, so it tokenizes the same in training and serving."""
+    if messages is None:
+        if "messages" not in record:
+            raise BadRecord("missing field 'messages'")
+        messages = record["messages"]
+    try:
+        parsed = parse_messages(messages)
+        segments = render_chat(parsed, TEMPLATES[args.template], last_role="assistant")
+    except ChatError as e:
+        raise BadRecord(str(e)) from None
+    if args.loss_on != "all" and not any(weight == 1 for role, _, weight in parsed if role == "assistant"):
+        raise BadRecord("every assistant message has weight 0: nothing to learn")
+    return [(text, "prompt" if weight is None else "answer" if weight else "context") for text, weight in segments]
+
+
+def prompt_completion_example(record, args):
+    """TRL's prompt/completion pairs: the prompt as it is (no template), the completion taught. Both may
+    be lists of chat messages instead (TRL's conversational form): then the prompt's answers are context."""
+    prompt, completion = record.get("prompt"), record.get("completion")
+    if isinstance(prompt, list) and isinstance(completion, list):
+        context = [dict(m, weight=0) if isinstance(m, dict) and m.get("role") == "assistant" else m for m in prompt]
+        return messages_example(record, args, context + completion)
+    return [(string_field(record, "prompt"), "prompt"), (string_field(record, "completion"), "answer")]
+
+
+def text_example(record, args):
+    """Plain language modelling: every token taught."""
+    return [(string_field(record, "text"), "answer")]
+
+
+EXAMPLE_MAKERS = {"dolly": dolly_example, "messages": messages_example,
+                  "prompt-completion": prompt_completion_example, "text": text_example}
+
+
+def read_examples(path, args):
+    """Yields the examples of the good records, in order, deciding --data-format auto from the first
+    good one (args.data_format is set to what it found); raises UserError naming the first bad record,
+    or skips and counts it (read_examples.skipped) with --skip-bad-lines."""
+    read_examples.skipped = 0
+    for where, record in json_records(path):
+        try:
+            if isinstance(record, BadRecord):
+                raise record
+            if not isinstance(record, dict):
+                raise BadRecord(f"expected a JSON object, got {type(record).__name__}")
+            if args.data_format == "auto":
+                found = detect_format(record, args)
+                if found is None:
+                    raise BadRecord("its fields fit no format: expected 'messages', 'prompt' and 'completion', "
+                                    f"'text', or '{args.instruction_field}' and '{args.response_field}'")
+                args.data_format = found
+                resolve_loss_on(args)
+                log(f"data: format {found} (--data-format auto, from the fields of {where})")
+            example = EXAMPLE_MAKERS[args.data_format](record, args)
+        except BadRecord as problem:
+            if not args.skip_bad_lines:
+                raise UserError(f"{where}: {problem}. Fix the record or pass --skip-bad-lines.") from None
+            read_examples.skipped += 1
+            continue
+        yield example
+
+
+def resolve_loss_on(args):
+    """--loss-on's default for the format: every token for Dolly records (the article) and plain text,
+    the answers for conversations and prompt/completion pairs (as TRL does)."""
+    if args.loss_on is None:
+        args.loss_on = {"dolly": "all", "text": "all"}.get(args.data_format, "response")
+    if args.loss_on == "assistant":
+        args.loss_on = "response"  # one meaning: the answers (Dolly's response, a completion, assistant turns)
+
+
 def load_data(args):
-    """Returns (train, eval) lists of (prompt, response): the first --limit records, then the held-out ones."""
+    """Returns (train, eval) lists of examples: the first --limit records, then the held-out ones."""
     path = fetch(args.data)
-    read_records.skipped = 0
+    if args.data_format != "auto":
+        resolve_loss_on(args)
     limit = args.limit or math.inf
     train, held_out = [], []
-    for _, record in read_records(path, args):
-        pair = (format_prompt(record, args), record[args.response_field] + TEMPLATES[args.template]["response_suffix"])
+    for example in read_examples(path, args):
         if len(train) < limit:
-            train.append(pair)
+            train.append(example)
         elif len(held_out) < args.eval_examples:
-            held_out.append(pair)
+            held_out.append(example)
         else:
             break
     if not train:
         raise UserError(f"{path}: no usable records")
-    if read_records.skipped:
-        log(f"data: skipped {read_records.skipped} bad lines (--skip-bad-lines)")
+    if read_examples.skipped:
+        log(f"data: skipped {read_examples.skipped} bad records (--skip-bad-lines)")
     if args.eval_examples and len(held_out) < args.eval_examples:
         log(f"data: only {len(held_out)} records remain after the training slice; evaluating on those"
             if held_out else "data: no records remain after the training slice; evaluation disabled")
     log(f"data: {len(train)} training records, {len(held_out)} held-out eval records from {path}")
+    if args.data_format == "messages" and args.template == "article" and \
+            any(sum(kind != "prompt" for _, kind in example) > 1 for example in train):
+        log("note: the article template has no end-of-turn marker, so only a conversation's last answer "
+            "teaches the model to stop; --template gemma-chat marks every turn's end")
     return train, held_out
 
 
@@ -262,28 +490,34 @@ def make_text_codec(tokenizer):
     return (lambda text: np.asarray(tokenizer(text)).tolist()), (lambda ids: str(tokenizer.detokenize(ids)))
 
 
-def tokenize(pairs, encode, tokenizer, sequence_length, loss_on):
+def tokenize(examples, encode, tokenizer, sequence_length, loss_on):
     """Each example becomes (token_ids, weights) with len(token_ids) <= sequence_length + 1.
 
-    token_ids = <bos> prompt response <eos>, like keras-hub's Gemma preprocessor. weights[i] says
-    whether predicting token_ids[i+1] counts towards the loss. A truncated example loses its <eos>,
-    so the model is never taught to stop mid-answer.
+    token_ids = <bos> segment... <eos>, like keras-hub's Gemma preprocessor; each segment is encoded on
+    its own, so a prompt's tokens are those serve.py sees for it. weights[i] says whether predicting
+    token_ids[i+1] counts towards the loss: answers 1, context 0, prompts 1 only with --loss-on all, and
+    <eos> 1 when the example ends with an answer. A truncated example loses its <eos>, so the model is
+    never taught to stop mid-answer.
     """
     import numpy as np
     bos, eos = tokenizer.start_token_id, tokenizer.end_token_id
-    examples, truncated, tokens_cut = [], 0, 0
-    for prompt, response in pairs:
-        prompt_ids = [bos] + encode(prompt)
-        ids = prompt_ids + encode(response) + [eos]
-        weights = np.ones(len(ids) - 1, np.float32)
-        if loss_on == "response":
-            weights[: len(prompt_ids) - 1] = 0.0
+    weight_of = {"prompt": float(loss_on == "all"), "answer": 1.0, "context": 0.0}
+    out, truncated, tokens_cut = [], 0, 0
+    for segments in examples:
+        ids, weights = [bos], []
+        for text, kind in segments:
+            piece = encode(text)
+            ids += piece
+            weights += [weight_of[kind]] * len(piece)
+        ids.append(eos)
+        weights.append(float(segments[-1][1] == "answer"))
+        weights = np.asarray(weights, np.float32)
         if len(ids) > sequence_length + 1:
             truncated += 1
             tokens_cut += len(ids) - (sequence_length + 1)
             ids, weights = ids[: sequence_length + 1], weights[:sequence_length]
-        examples.append((np.asarray(ids, np.int32), weights))
-    return examples, truncated, tokens_cut
+        out.append((np.asarray(ids, np.int32), weights))
+    return out, truncated, tokens_cut
 
 
 def parse_buckets(spec, sequence_length):
@@ -471,6 +705,27 @@ LORA_MODULES = {  # PEFT's module names -> where keras-hub's Gemma decoder block
 }
 
 
+DEFAULT_LORA_MODULES = ("q_proj", "v_proj")  # what keras-hub's enable_lora and PEFT's Gemma default train
+
+
+def parse_lora_modules(spec):
+    """--lora-modules: PEFT's projection names, comma-separated, or all-linear for every one; in
+    LORA_MODULES' order."""
+    names = set(LORA_MODULES) if spec.strip() == "all-linear" else {m.strip() for m in spec.split(",") if m.strip()}
+    unknown = sorted(names - set(LORA_MODULES))
+    if unknown or not names:
+        raise ValueError(f"{','.join(unknown) or 'none given'}: choose from {','.join(LORA_MODULES)}, or all-linear")
+    return [m for m in LORA_MODULES if m in names]
+
+
+def keras_lora_scale(model_dir):
+    """alpha / rank of a train_local.py adapter, from its training.json (the .lora.h5 keeps only the rank);
+    1.0, keras-hub's own scale, for a run that recorded no alpha."""
+    record = Path(model_dir) / "training.json"
+    args = json.loads(record.read_text()).get("args", {}) if record.is_file() else {}
+    return args["lora_alpha"] / args["lora_rank"] if args.get("lora_alpha") else 1.0
+
+
 class AdapterError(Exception):
     """An adapter that cannot go on this base (or into this server now), said in one line."""
 
@@ -502,6 +757,22 @@ def lora_kernel_shapes(backbone):
     before quantizing, which packs some kernels into other shapes."""
     return {(i, m): (tuple(lora_layer(backbone, i, m).kernel.shape), lora_layer(backbone, i, m).equation)
             for i in range(len(backbone.transformer_layers)) for m in LORA_MODULES}
+
+
+def enable_lora(backbone, rank, alpha, modules):
+    """LoRA of rank `rank`, scaled alpha/rank, on the named projections of every decoder block; all else
+    frozen. keras-hub's backbone.enable_lora picks layers by Keras name and passes no alpha, so this
+    enables layer by layer, recording what backbone.save_lora_weights and load_lora_weights read."""
+    targets = {id(lora_layer(backbone, i, m)) for i in range(len(backbone.transformer_layers)) for m in modules}
+    backbone.trainable = True  # first: it sets every sublayer's flag too
+    for layer in backbone._flatten_layers(include_self=False):
+        layer.trainable = False
+    backbone._lora_enabled_layers, backbone._lora_rank = [], rank
+    for index, layer in enumerate([layer for layer in backbone._flatten_layers(include_self=False) if layer.weights]):
+        if id(layer) in targets:
+            layer.trainable = True
+            layer.enable_lora(rank, lora_alpha=alpha)
+            backbone._lora_enabled_layers.append(index)
 
 
 def keras_factors_to_peft(a, b, shape, equation):
@@ -543,11 +814,13 @@ def read_keras_adapter(h5_path, backbone, shapes):
 def export_peft(model_dir, backbone, base_handle):
     """model_dir/peft: the adapter as Hugging Face PEFT saves one, for the same base in transformers layout.
     Keras's query LoRA shares B across heads, so its exact PEFT form has rank heads x r; every module is
-    zero-padded to that one r (vLLM ignores per-module ranks), and lora_alpha = r keeps Keras's scale 1."""
+    zero-padded to that one r (vLLM ignores per-module ranks), and lora_alpha = (alpha / rank) x r keeps
+    the trained scale, so PEFT computes exactly what Keras did and further training scales alike."""
     import numpy as np
     from safetensors.numpy import save_file
     factors = read_keras_adapter(model_dir / ADAPTER_FILE, backbone, lora_kernel_shapes(backbone))
     r = max(down.shape[1] for down, _ in factors.values())
+    alpha = keras_lora_scale(model_dir) * r
     tensors = {}
     for (i, module), (down, up) in sorted(factors.items()):
         where = "self_attn" if LORA_MODULES[module][0] == "attention" else "mlp"
@@ -557,13 +830,14 @@ def export_peft(model_dir, backbone, base_handle):
         tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"] = a, b
     out = fresh_dir(model_dir / "peft")
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": r, "lora_dropout": 0.0,
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": int(alpha) if alpha == int(alpha)
+              else alpha, "lora_dropout": 0.0,
               "target_modules": sorted({m for _, m in factors}), "bias": "none", "fan_in_fan_out": False,
               "use_rslora": False, "use_dora": False, "inference_mode": True, "modules_to_save": None,
               "base_model_name_or_path": base_handle.removeprefix("hf://")}
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
     publish(out, model_dir / "peft")
-    return r
+    return r, config["lora_alpha"], config["target_modules"]
 
 
 def export_transformers(model_dir, model):
@@ -604,10 +878,11 @@ def export(model_dir, formats):
         raise UserError(explain_load_error(str(model_dir), e)) from None
     if "peft" in formats:
         try:
-            r = export_peft(model_dir, model.backbone, record["args"]["model"])
+            r, alpha, modules = export_peft(model_dir, model.backbone, record["args"]["model"])
         except AdapterError as e:
             raise UserError(f"--export peft: {e}") from None
-        log(f"export: {model_dir / 'peft'} (PEFT LoRA, r={r}, for {record['args']['model']})")
+        log(f"export: {model_dir / 'peft'} (PEFT LoRA on {','.join(modules)}, r={r}, lora_alpha={alpha}, for "
+            f"{record['args']['model']})")
     if "transformers" in formats:
         export_transformers(model_dir, model)
         log(f"export: {model_dir / 'transformers'} (merged model and tokenizer, transformers layout)")
@@ -627,7 +902,7 @@ def merged_on_original_base(args, adapter_path):
     """The preset to save after QLoRA: the adapter merged into the base as loaded (its original dtype).
     Merging into the quantized kernels would round a second time and lose part of what was learned."""
     model = load_model(args)
-    model.backbone.enable_lora(rank=args.lora_rank)
+    enable_lora(model.backbone, args.lora_rank, args.lora_alpha, args.lora_modules)
     model.backbone.load_lora_weights(str(adapter_path))
     return model
 
@@ -672,12 +947,17 @@ class Trainer:
     prints shrinks as padding grows. Here the objective is sum(weight * nll) / sum(weight): the true
     per-token loss, identical whatever bucket an example is padded to. AdamW is invariant to the
     overall gradient scale, so this trains like the article while reporting honestly.
+
+    With gradient accumulation each batch adds the gradient of its loss *sum* to a buffer, and the
+    update divides by the tokens of all of them: one step on their union, not a mean of means (which
+    would over-weight a batch of short answers).
     """
 
-    def __init__(self, model, optimizer, distribution):
+    def __init__(self, model, optimizer, distribution, accumulation=1):
         import jax
         import jax.numpy as jnp
         self.model, self.optimizer, self.distribution = model, optimizer, distribution
+        self.accumulation = accumulation
         optimizer.build(model.trainable_variables)
         self.trainable = [v.value for v in model.trainable_variables]
         self.non_trainable = [v.value for v in model.non_trainable_variables]
@@ -691,22 +971,42 @@ class Trainer:
             correct = (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32)
             return (nll * weights).sum(), weights.sum(), (correct * weights).sum()
 
-        def train_step(trainable, opt_state, non_trainable, token_ids, padding_mask, labels, weights):
+        def grads_of(trainable, non_trainable, batch, divide_by_count):
             def loss_fn(trainable):
-                loss_sum, count, correct = totals(trainable, non_trainable, token_ids, padding_mask, labels,
-                                                  weights, True)
-                return loss_sum / jnp.maximum(count, 1.0), (loss_sum, count, correct)
-            grads, sums = jax.grad(loss_fn, has_aux=True)(trainable)
+                loss_sum, count, correct = totals(trainable, non_trainable, *batch, True)
+                scale = jnp.maximum(count, 1.0) if divide_by_count else 1.0
+                return loss_sum / scale, (loss_sum, count, correct)
+            return jax.grad(loss_fn, has_aux=True)(trainable)
+
+        def update(trainable, opt_state, grads):
+            norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in grads))  # before any clipping, as HF logs it
             trainable, opt_state = optimizer.stateless_apply(opt_state, grads, trainable)
-            return trainable, opt_state, sums
+            return trainable, opt_state, norm
+
+        def train_step(trainable, opt_state, non_trainable, *batch):
+            grads, sums = grads_of(trainable, non_trainable, batch, True)
+            trainable, opt_state, norm = update(trainable, opt_state, grads)
+            return trainable, opt_state, sums + (norm,)
+
+        def accumulate_step(accumulated, trainable, non_trainable, *batch):
+            grads, sums = grads_of(trainable, non_trainable, batch, False)
+            return [a + g for a, g in zip(accumulated, grads)], sums
+
+        def apply_step(trainable, opt_state, accumulated, count):
+            return update(trainable, opt_state, [a / jnp.maximum(count, 1.0) for a in accumulated])
 
         def eval_step(trainable, non_trainable, token_ids, padding_mask, labels, weights):
             return totals(trainable, non_trainable, token_ids, padding_mask, labels, weights, False)
 
         # Updated weights and optimizer state must keep their shardings, or under model parallelism XLA
         # may hand them back laid out differently from what the next step was compiled for.
-        keep_layout = ([v.sharding for v in self.trainable], [v.sharding for v in self.opt_state], None)
-        self._train_step = jax.jit(train_step, donate_argnums=(0, 1), out_shardings=keep_layout)
+        weights_layout, state_layout = [v.sharding for v in self.trainable], [v.sharding for v in self.opt_state]
+        self._train_step = jax.jit(train_step, donate_argnums=(0, 1),
+                                   out_shardings=(weights_layout, state_layout, None))
+        self._accumulate_step = jax.jit(accumulate_step, donate_argnums=(0,), out_shardings=(weights_layout, None))
+        self._apply_step = jax.jit(apply_step, donate_argnums=(0, 1),
+                                   out_shardings=(weights_layout, state_layout, None))
+        self._zeros = jax.jit(lambda trainable: [jnp.zeros_like(v) for v in trainable], out_shardings=weights_layout)
         self._eval_step = jax.jit(eval_step)
         self.compiled_train, self.compiled_eval = {}, {}
 
@@ -726,23 +1026,47 @@ class Trainer:
 
     def warm_up(self, buckets, batch_size, pad_id, with_eval):
         """Compiles every program training will run, up front, and says what it compiled."""
+        import numpy as np
         for length in buckets:
             batch = self.put_batch(collate([], [], length, batch_size, pad_id))
             started = time.time()
-            self.compiled_train[length] = self._train_step.lower(
-                self.trainable, self.opt_state, self.non_trainable, *batch).compile()
-            message = f"compiled train step [{batch_size} x {length}] in {time.time() - started:.1f}s"
+            if self.accumulation == 1:
+                self.compiled_train[length] = self._train_step.lower(
+                    self.trainable, self.opt_state, self.non_trainable, *batch).compile()
+                message = f"compiled train step [{batch_size} x {length}] in {time.time() - started:.1f}s"
+            else:
+                self.compiled_train[length] = self._accumulate_step.lower(
+                    self.trainable, self.trainable, self.non_trainable, *batch).compile()
+                message = (f"compiled gradient step [{batch_size} x {length}] (accumulated over "
+                           f"{self.accumulation}) in {time.time() - started:.1f}s")
             if with_eval:
                 started = time.time()
                 self.compiled_eval[length] = self._eval_step.lower(
                     self.trainable, self.non_trainable, *batch).compile()
                 message += f", eval step in {time.time() - started:.1f}s"
             log(message)
+        if self.accumulation > 1:
+            self._zeros = self._zeros.lower(self.trainable).compile()
+            self._apply_step = self._apply_step.lower(self.trainable, self.opt_state, self.trainable,
+                                                      np.float32(1)).compile()
 
-    def train_on(self, batch, length):
-        self.trainable, self.opt_state, sums = self.compiled_train[length](
-            self.trainable, self.opt_state, self.non_trainable, *self.put_batch(batch))
-        return [float(s) for s in sums]
+    def train_on(self, batches):
+        """One optimizer step on `batches` ([(bucket length, collated arrays)], one per accumulated batch);
+        returns (loss sum, weighted tokens, correct, gradient norm) of their union."""
+        import numpy as np
+        if self.accumulation == 1:
+            [(length, batch)] = batches
+            self.trainable, self.opt_state, sums = self.compiled_train[length](
+                self.trainable, self.opt_state, self.non_trainable, *self.put_batch(batch))
+            return [float(s) for s in sums]
+        accumulated, totals = self._zeros(self.trainable), []
+        for length, batch in batches:
+            accumulated, sums = self.compiled_train[length](accumulated, self.trainable, self.non_trainable,
+                                                            *self.put_batch(batch))
+            totals.append(sums)
+        count = np.float32(sum(batch[3].sum() for _, batch in batches))  # known on the host: no round trip
+        self.trainable, self.opt_state, norm = self._apply_step(self.trainable, self.opt_state, accumulated, count)
+        return [sum(float(s[i]) for s in totals) for i in range(3)] + [float(norm)]
 
     def evaluate(self, examples, buckets, batch_size, pad_id, rng):
         """Mean loss per weighted token over `examples`."""
@@ -759,6 +1083,15 @@ class Trainer:
         for variable, value in zip(self.optimizer.variables, self.opt_state):
             variable.assign(value)
 
+    def host_weights(self):
+        import jax
+        import numpy as np
+        return [np.asarray(jax.device_get(v)) for v in self.trainable]
+
+    def set_weights(self, arrays):
+        import jax
+        self.trainable = [jax.device_put(a, v.sharding) for a, v in zip(arrays, self.trainable)]
+
     def state_arrays(self):
         import numpy as np
         import jax
@@ -772,18 +1105,60 @@ class Trainer:
         self.opt_state = [jax.device_put(arrays[f"o{i}"], v.sharding) for i, v in enumerate(self.opt_state)]
 
 
+def learning_rate_schedule(args, total_steps):
+    """--learning-rate shaped by --warmup-steps and --lr-schedule, as a Keras schedule of the optimizer's
+    step count. The shapes are Hugging Face's (get_{constant,linear,cosine}_schedule_with_warmup), so a
+    TRL recipe's numbers mean the same here: the first warm-up step uses 0, decay reaches 0 at the end."""
+    import keras
+    from keras import ops
+
+    class WarmupThenDecay(keras.optimizers.schedules.LearningRateSchedule):
+        def __call__(self, step):
+            step = ops.cast(step, "float32")
+            warmup, total = float(args.warmup_steps), float(total_steps)
+            progress = ops.clip((step - warmup) / max(1.0, total - warmup), 0.0, 1.0)
+            after = {"constant": ops.ones_like(progress), "linear": 1.0 - progress,
+                     "cosine": 0.5 * (1.0 + ops.cos(math.pi * progress))}[args.lr_schedule]
+            return args.learning_rate * ops.where(step < warmup, step / max(1.0, warmup), after)
+
+        def get_config(self):
+            return {}
+    return WarmupThenDecay()
+
+
+def remat_decoder_blocks(backbone):
+    """--remat: each decoder block is jax.checkpoint-ed, so the backward pass recomputes its activations
+    from the block's input instead of keeping them all: activation memory of one block, not every one,
+    for about a third more compute."""
+    import jax
+
+    def rematted(call):
+        @functools.wraps(call)
+        def call_with_remat(x, *args, **kwargs):
+            # Only the hidden states are checkpoint inputs: masks and flags stay Python values.
+            return jax.checkpoint(lambda x: call(x, *args, **kwargs))(x)
+        return call_with_remat
+    for block in backbone.transformer_layers:
+        object.__setattr__(block, "call", rematted(block.call))
+
+
 # Arguments that must match for a checkpoint to be resumed.
 RESUME_KEYS = ("model", "data", "limit", "lora_rank", "sequence_length", "batch_size", "epochs", "learning_rate",
                "use_context", "loss_on", "dtype", "seed", "max_steps", "buckets", "instruction_field",
-               "context_field", "response_field", "template", "quantize")
+               "context_field", "response_field", "template", "quantize", "data_format", "lora_modules", "lora_alpha",
+               "lr_schedule", "warmup_steps", "gradient_accumulation", "max_grad_norm", "weight_decay", "eval_every",
+               "keep_best")
 
 
-def save_checkpoint(work_dir, trainer, step, history, eval_before, args):
+def save_checkpoint(work_dir, trainer, step, progress, args):
+    """progress: what the run has learned so far (history, evals, eval before, best step), and the best
+    step's weights under "best_weights" with --keep-best."""
     import numpy as np
-    meta = {"step": step, "history": history, "eval_loss_before": eval_before,
+    meta = {"step": step, "progress": {k: v for k, v in progress.items() if k != "best_weights"},
             "args": {k: getattr(args, k) for k in RESUME_KEYS}}
+    best = {f"b{i}": a for i, a in enumerate(progress.get("best_weights") or [])}
     partial = work_dir / (CHECKPOINT_FILE + ".part.npz")
-    np.savez(partial, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **trainer.state_arrays())
+    np.savez(partial, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **trainer.state_arrays(), **best)
     os.replace(partial, work_dir / CHECKPOINT_FILE)
     log(f"checkpoint saved at step {step}")
 
@@ -797,19 +1172,25 @@ def load_checkpoint(work_dir, trainer, args):
             raise UserError("--resume: the checkpoint was made with different settings: "
                             + ", ".join(f"--{k.replace('_', '-')} {meta['args'].get(k)!r}" for k in changed))
         trainer.load_state_arrays(arrays)
-    return meta["step"], meta["history"], meta["eval_loss_before"]
+        progress = meta["progress"]
+        best = sorted((k for k in arrays.files if k.startswith("b")), key=lambda k: int(k[1:]))
+        progress["best_weights"] = [arrays[k] for k in best] or None
+    return meta["step"], progress
 
 
-def plan_steps(buckets, batch_size, epochs, seed, examples):
+def plan_steps(buckets, batch_size, epochs, seed, examples, accumulation=1):
+    """Every optimizer step's batches: [[(bucket, example indices), ...], ...], `accumulation` batches per
+    step (the last step of a run takes what is left)."""
     import numpy as np
-    schedule = []
+    batches = []
     for epoch in range(epochs):
         rng = np.random.default_rng([seed, epoch])
-        schedule += make_batches(examples, buckets, batch_size, rng)
-    return schedule
+        batches += make_batches(examples, buckets, batch_size, rng)
+    return [batches[i: i + accumulation] for i in range(0, len(batches), accumulation)]
 
 
-def write_loss_plot(path, history, eval_before, eval_after):
+def write_loss_plot(path, history, evals, eval_before):
+    """Train loss per step (and a running mean), held-out loss at each evaluation, learning rate."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -822,12 +1203,18 @@ def write_loss_plot(path, history, eval_before, eval_after):
                   for i in range(len(history))]
         ax.plot(steps, smooth, lw=1.5, label=f"train loss, {window}-step mean")
     if eval_before is not None:
-        ax.scatter([0, steps[-1] if steps else 0], [eval_before, eval_after], color="red", zorder=3,
-                   label="eval loss (response tokens), before / after")
+        points = [(0, eval_before)] + [(e["step"], e["loss"]) for e in evals]
+        ax.plot(*zip(*points), color="red", marker="o", ms=3, zorder=3, label="held-out loss (answer tokens)")
     ax.set_xlabel("step")
     ax.set_ylabel("nats / token")
-    ax.legend()
     ax.grid(alpha=0.3)
+    lr = ax.twinx()
+    lr.plot(steps, [h["learning_rate"] for h in history], color="grey", lw=1, ls="--", label="learning rate")
+    lr.set_ylabel("learning rate")
+    lr.set_ylim(bottom=0)
+    handles = ax.get_legend_handles_labels()
+    more = lr.get_legend_handles_labels()
+    ax.legend(handles[0] + more[0], handles[1] + more[1], fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -885,6 +1272,31 @@ def interrupt_on_sigterm(*_):
     raise KeyboardInterrupt
 
 
+def build_model(args):
+    """The base as loaded (quantized with --quantize), LoRA on --lora-modules, remat with --remat."""
+    import numpy as np
+    log(f"model: loading {args.model}")
+    model = load_model(args)
+    if args.quantize != "none":
+        quantize_base(model, args.quantize)
+    enable_lora(model.backbone, args.lora_rank, args.lora_alpha, args.lora_modules)
+    if args.remat:
+        remat_decoder_blocks(model.backbone)
+    n_params = model.backbone.count_params()
+    n_lora = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    log(f"model: {type(model).__name__}, {n_params / 1e6:.1f}M parameters; LoRA rank {args.lora_rank}, alpha "
+        f"{args.lora_alpha:g} on {','.join(args.lora_modules)}: {n_lora / 1e6:.2f}M trainable"
+        + (", decoder blocks rematerialised" if args.remat else ""))
+    return model
+
+
+def describe_steps(steps, buckets, accumulation):
+    batches = [length for step in steps for length, _ in step]
+    per_step = f" ({accumulation} batches each)" if accumulation > 1 else ""
+    return (f"{len(steps)} optimizer steps{per_step}, batches in buckets "
+            + ", ".join(f"{b} ({batches.count(b)})" for b in buckets))
+
+
 def main(argv=None):
     args = parse_args(argv)
     started = time.time()
@@ -896,90 +1308,114 @@ def main(argv=None):
     import numpy as np
 
     work_dir = check_output(args)
-    train_pairs, eval_pairs = load_data(args)
+    train_data, eval_data = load_data(args)
     buckets = parse_buckets(args.buckets, args.sequence_length)
 
     mode, distribution = setup_distribution(args, args.model)
     keras.utils.set_random_seed(args.seed)
-    log(f"model: loading {args.model}")
-    model = load_model(args)
-    if args.quantize != "none":
-        quantize_base(model, args.quantize)
-    model.backbone.enable_lora(rank=args.lora_rank)
+    model = build_model(args)
     tokenizer = model.preprocessor.tokenizer
     encode, _ = make_text_codec(tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    n_params = model.backbone.count_params()
-    n_lora = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
-    log(f"model: {type(model).__name__}, {n_params / 1e6:.1f}M parameters, LoRA rank {args.lora_rank}: "
-        f"{n_lora / 1e6:.2f}M trainable")
 
-    train_examples, truncated, tokens_cut = tokenize(train_pairs, encode, tokenizer, args.sequence_length,
+    train_examples, truncated, tokens_cut = tokenize(train_data, encode, tokenizer, args.sequence_length,
                                                      args.loss_on)
-    eval_examples, _, _ = tokenize(eval_pairs, encode, tokenizer, args.sequence_length, "response")
+    eval_examples, _, _ = tokenize(eval_data, encode, tokenizer, args.sequence_length, "response")
     log(f"data: {truncated} of {len(train_examples)} training examples exceed --sequence-length "
-        f"{args.sequence_length}; {tokens_cut} tokens cut")
+        f"{args.sequence_length}; {tokens_cut} tokens cut; loss on {args.loss_on} tokens")
 
-    schedule = plan_steps(buckets, args.batch_size, args.epochs, args.seed, train_examples)
+    steps = plan_steps(buckets, args.batch_size, args.epochs, args.seed, train_examples, args.gradient_accumulation)
     if args.max_steps:
-        schedule = schedule[: args.max_steps]
-    used = buckets if eval_examples else sorted({length for length, _ in schedule})  # eval visits every bucket
-    log(f"data: {len(schedule)} steps of batch {args.batch_size} in buckets "
-        + ", ".join(f"{b} ({sum(1 for l, _ in schedule if l == b)} steps)" for b in buckets))
+        steps = steps[: args.max_steps]
+    used = buckets if eval_examples else sorted({length for step in steps for length, _ in step})
+    log(f"data: {describe_steps(steps, buckets, args.gradient_accumulation)}")
 
-    optimizer = keras.optimizers.AdamW(learning_rate=args.learning_rate)
-    trainer = Trainer(model, optimizer, distribution)
+    schedule = learning_rate_schedule(args, len(steps))
+    optimizer = keras.optimizers.AdamW(learning_rate=schedule, weight_decay=args.weight_decay,
+                                       global_clipnorm=args.max_grad_norm)
+    trainer = Trainer(model, optimizer, distribution, args.gradient_accumulation)
     compile_started = time.time()
     trainer.warm_up(used, args.batch_size, pad_id, with_eval=bool(eval_examples))
     compile_seconds = time.time() - compile_started
 
-    start_work_dir(work_dir, args.resume)
-    first_step, history, eval_before = 0, [], None
-    if args.resume:
-        first_step, history, eval_before = load_checkpoint(work_dir, trainer, args)
-        log(f"resume: continuing after step {first_step} of {len(schedule)}")
-    elif eval_examples:
-        eval_before = trainer.evaluate(eval_examples, buckets, args.batch_size, pad_id, np.random.default_rng(0))
-        log(f"eval: loss before training {eval_before:.4f} on {len(eval_examples)} held-out examples")
+    def evaluate():
+        return trainer.evaluate(eval_examples, buckets, args.batch_size, pad_id, np.random.default_rng(0))
 
+    start_work_dir(work_dir, args.resume)
+    first_step = 0
+    progress = {"history": [], "evals": [], "eval_before": None, "best_step": None, "best_loss": None,
+                "best_weights": None}
+    if args.resume:
+        first_step, progress = load_checkpoint(work_dir, trainer, args)
+        log(f"resume: continuing after step {first_step} of {len(steps)}")
+    elif eval_examples:
+        progress["eval_before"] = evaluate()
+        log(f"eval: loss before training {progress['eval_before']:.4f} on {len(eval_examples)} held-out examples")
+
+    def held_out_loss_at(step):
+        loss = evaluate()
+        progress["evals"].append({"step": step, "loss": loss})
+        better = progress["best_loss"] is None or loss < progress["best_loss"]
+        if better:
+            progress.update(best_step=step, best_loss=loss)
+            if args.keep_best:
+                progress["best_weights"] = trainer.host_weights()
+        return loss, better
+
+    history = progress["history"]
     signal.signal(signal.SIGTERM, interrupt_on_sigterm)
     step, padded_tokens, real_tokens, train_seconds = first_step, 0, 0, 0.0
     try:
-        for step in range(first_step + 1, len(schedule) + 1):
-            length, indices = schedule[step - 1]
-            batch = collate(train_examples, indices, length, args.batch_size, pad_id)
+        for step in range(first_step + 1, len(steps) + 1):
+            batches = [(length, collate(train_examples, indices, length, args.batch_size, pad_id))
+                       for length, indices in steps[step - 1]]
             step_started = time.time()
-            loss_sum, count, correct = trainer.train_on(batch, length)
+            loss_sum, count, correct, grad_norm = trainer.train_on(batches)
             elapsed = time.time() - step_started
             train_seconds += elapsed
-            padded_tokens += args.batch_size * length
-            real_tokens += int(batch[1].sum())
-            history.append({"step": step, "loss": loss_sum / max(count, 1.0), "accuracy": correct / max(count, 1.0)})
-            log(f"step {step}/{len(schedule)} loss {history[-1]['loss']:.4f} acc {history[-1]['accuracy']:.3f} "
-                f"{elapsed * 1000:.0f} ms/step {args.batch_size * length / elapsed:.0f} tok/s [{length}]")
-            if args.checkpoint_every and step % args.checkpoint_every == 0 and step < len(schedule):
+            computed = sum(args.batch_size * length for length, _ in batches)
+            padded_tokens += computed
+            real_tokens += sum(int(batch[1].sum()) for _, batch in batches)
+            history.append({"step": step, "loss": loss_sum / max(count, 1.0), "accuracy": correct / max(count, 1.0),
+                            "learning_rate": float(schedule(step - 1)), "grad_norm": grad_norm})
+            log(f"step {step}/{len(steps)} loss {history[-1]['loss']:.4f} acc {history[-1]['accuracy']:.3f} "
+                f"lr {history[-1]['learning_rate']:.3g} grad-norm {grad_norm:.3g} {elapsed * 1000:.0f} ms/step "
+                f"{computed / elapsed:.0f} tok/s [{'+'.join(str(length) for length, _ in batches)}]")
+            if args.eval_every and step % args.eval_every == 0 and step < len(steps):
+                loss, better = held_out_loss_at(step)
+                log(f"eval: step {step} held-out loss {loss:.4f}" + (" (best so far)" if better else ""))
+            if args.checkpoint_every and step % args.checkpoint_every == 0 and step < len(steps):
                 if IS_MAIN_PROCESS:
-                    save_checkpoint(work_dir, trainer, step, history, eval_before, args)
+                    save_checkpoint(work_dir, trainer, step, progress, args)
     except KeyboardInterrupt:
         if IS_MAIN_PROCESS and step > first_step:
-            save_checkpoint(work_dir, trainer, len(history), history, eval_before, args)
+            save_checkpoint(work_dir, trainer, len(history), progress, args)
         log(f"interrupted: run the same command with --resume to continue from step {len(history)}")
         return 130
 
-    eval_after = None
+    eval_before, eval_after, published_step = progress["eval_before"], None, len(steps)
     if eval_examples:
-        eval_after = trainer.evaluate(eval_examples, buckets, args.batch_size, pad_id, np.random.default_rng(0))
+        eval_after, _ = held_out_loss_at(len(steps))
         log(f"eval: loss after training {eval_after:.4f} (before {eval_before:.4f})")
+    if args.keep_best and progress["best_step"] != len(steps):
+        published_step = progress["best_step"]
+        trainer.set_weights(progress["best_weights"])
+        log(f"keep-best: publishing step {published_step} (held-out loss {progress['best_loss']:.4f}); the last "
+            f"step, {len(steps)}, had {eval_after:.4f}")
+        eval_after = progress["best_loss"]
 
     trainer.write_back()
     record = {
         "args": vars(args),
+        "data_format": args.data_format,
         "prompt_template": TEMPLATES[args.template] | {
             "name": args.template, "prompt_with_context": TEMPLATES[args.template]["prompt_with_context"]
             if args.use_context else None},
         "history": history,
+        "eval_history": progress["evals"],
         "eval_loss_before": eval_before,
         "eval_loss_after": eval_after,
+        "published_step": published_step,
         "tokens_per_second": padded_tokens / train_seconds if train_seconds else None,
         "nonpad_tokens_per_second": real_tokens / train_seconds if train_seconds else None,
         "seconds": train_seconds,
@@ -998,14 +1434,15 @@ def main(argv=None):
             model = merged_on_original_base(args, work_dir / ADAPTER_FILE)
         model.save_to_preset(str(work_dir))
         (work_dir / RUN_RECORD).write_text(json.dumps(record, indent=2))
-        write_loss_plot(work_dir / "loss.png", history, eval_before, eval_after)
+        write_loss_plot(work_dir / "loss.png", history, progress["evals"], eval_before)
         publish(work_dir, args.output)
     done = len(history) - first_step
     log(f"done: {done} steps in {train_seconds:.1f}s ({compile_seconds:.1f}s compiling), "
         f"{record['nonpad_tokens_per_second'] or 0:.0f} real tok/s of {record['tokens_per_second'] or 0:.0f} "
         f"computed, {memory_summary()}, total {time.time() - started:.0f}s")
     if eval_before is not None:
-        log(f"eval loss {eval_before:.4f} -> {eval_after:.4f}")
+        log(f"eval loss {eval_before:.4f} -> {eval_after:.4f}" +
+            (f" (step {published_step})" if published_step != len(steps) else ""))
     log(f"saved: {args.output} (merged Keras preset, {ADAPTER_FILE}, {RUN_RECORD}, loss.png)")
     if args.export and IS_MAIN_PROCESS:
         export(Path(args.output), args.export)

@@ -8,7 +8,8 @@ at batch 1 and 8, with keras-hub's generate() as a reference), and peak device m
 and pre-tokenized arrays: nothing is downloaded and TensorFlow is not needed. `--config tiny` runs the
 same script in seconds on a CPU, to check it before spending device time. `--quantize int8` (or int4)
 measures the same with the dense layers quantized before LoRA is enabled (QLoRA, as `train_local.py
---quantize`), and reports the weight memory of each setting.
+--quantize`), and reports the weight memory of each setting. Last, the train step's planned temporaries
+with and without --remat (gradient checkpointing, which XLA's CPU backend ignores).
 """
 import argparse
 import math
@@ -78,13 +79,29 @@ def time_training(model, args):
              rng.integers(3, vocab, (args.batch_size, args.sequence_length), dtype=np.int32),
              np.ones((args.batch_size, args.sequence_length), np.float32))
     for _ in range(3):  # settle: first calls include transfers and autotuning
-        trainer.train_on(batch, args.sequence_length)
+        trainer.train_on([(args.sequence_length, batch)])
     started = time.time()
     for _ in range(args.steps):
-        loss_sum, count, _ = trainer.train_on(batch, args.sequence_length)  # float() syncs every step
+        loss_sum, count, _, _ = trainer.train_on([(args.sequence_length, batch)])  # float() syncs every step
     ms = (time.time() - started) / args.steps * 1000
     trainer.write_back()  # the step donates its buffers: give the model its live weights back
     return ms, compile_seconds, loss_sum / count
+
+
+def train_step_temporaries(model, args):
+    """GiB of temporaries XLA plans for the train step, without and with --remat (compiled, not run)."""
+    import keras
+    import train_local
+    sizes = []
+    for remat in (False, True):
+        if remat:
+            train_local.remat_decoder_blocks(model.backbone)
+        trainer = train_local.Trainer(model, keras.optimizers.AdamW(5e-5), None)
+        batch = train_local.collate([], [], args.sequence_length, args.batch_size, 0)
+        compiled = trainer._train_step.lower(trainer.trainable, trainer.opt_state, trainer.non_trainable,
+                                             *batch).compile()
+        sizes.append(compiled.memory_analysis().temp_size_in_bytes / 2**30)
+    return sizes
 
 
 def time_generation(model, args, batch_size):
@@ -164,6 +181,10 @@ def main():
               + (f"; keras-hub generate(): {reference:,.0f} tok/s" if reference else "")
               + f" ({args.new_tokens} new tokens after a 32-token prompt)", flush=True)
     print(f"memory: peak {peak_memory_gib():.1f} GiB on device (after training: {train_peak:.1f} GiB)")
+    if args.quantize == "none":  # last: it wraps the model's decoder blocks
+        plain, rematted = train_step_temporaries(model, args)
+        print(f"remat: train step temporaries {plain:.2f} GiB without --remat, {rematted:.2f} GiB with it "
+              f"(batch {args.batch_size} x {args.sequence_length})", flush=True)
 
 
 if __name__ == "__main__":

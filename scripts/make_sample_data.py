@@ -1,10 +1,15 @@
-"""Writes tests/data/dolly_sample.jsonl: a small Dolly-15k-schema data set of our own.
+"""Writes our own small data sets into tests/data (or DIR): deterministic, run it again and you get
+the same files.
 
-Dolly itself cannot be fetched offline, so tests and the demo train on this instead. It mixes the
-shapes Dolly has: empty and long contexts, unicode, multi-line answers, and a few records longer
-than 512 tokens. Deterministic: run it again and you get the same file.
+- dolly_sample.jsonl: Dolly-15k's schema. Dolly itself cannot be fetched offline, so tests and the demo
+  train on this instead. It mixes the shapes Dolly has: empty and long contexts, unicode, multi-line
+  answers, and a few records longer than 512 tokens.
+- chat_sample.jsonl: multi-turn conversations in OpenAI's fine-tuning format ({"messages": [...]}), the
+  shapes chat logs have: system and developer messages, text-part lists, follow-up questions that only
+  make sense with the earlier turns, and assistant turns marked "weight": 0 (context, not taught). The
+  assistant has one house style to learn: short answers that end with "Anything else?".
 
-    python3 scripts/make_sample_data.py [OUT.jsonl]
+    python3 scripts/make_sample_data.py [DIR]
 """
 import json
 import random
@@ -129,13 +134,78 @@ def make_records(rng):
     return out
 
 
-def main():
-    path = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).parent.parent / "tests/data/dolly_sample.jsonl")
-    records = make_records(random.Random(15))
+STYLE = " Anything else?"  # the chat sample's house style, which a fine-tune should pick up
+SYSTEM_PROMPTS = ["You are Atlas, a concise assistant.", "Answer in one short sentence.",
+                  "You are a helpful assistant for a quiz night."]
+
+
+def a_or_an(noun):
+    return ("an " if noun[0] in "aeiou" else "a ") + noun
+
+
+def chat_pairs(rng):
+    """One topic's (question, answer) turns; later questions lean on earlier ones ("And of Spain?")."""
+    topic = rng.randrange(6)
+    if topic == 0:
+        countries = rng.sample(list(CAPITALS), 3)
+        return [(f"What is the capital of {countries[0]}?", f"The capital of {countries[0]} is "
+                 f"{CAPITALS[countries[0]]}.")] + [(f"And of {c}?", f"The capital of {c} is {CAPITALS[c]}.")
+                                                  for c in countries[1:]]
+    if topic == 1:
+        animals = rng.sample(list(ANIMALS), 3)
+        return [(f"What kind of animal is {a_or_an(animals[0])}?", f"{a_or_an(animals[0]).capitalize()} is "
+                 f"{a_or_an(ANIMALS[animals[0]])}.")] + \
+            [(f"And {a_or_an(a)}?", f"{a_or_an(a).capitalize()} is {a_or_an(ANIMALS[a])}.") for a in animals[1:]]
+    if topic == 2:
+        a, b, c = rng.randint(2, 40), rng.randint(2, 40), rng.randint(2, 9)
+        return [(f"What is {a} plus {b}?", f"{a} plus {b} is {a + b}."),
+                (f"And times {c}?", f"{a + b} times {c} is {(a + b) * c}.")]
+    if topic == 3:
+        colours = rng.sample(list(COLORS_FR), 3)
+        return [(f"How do you say '{colours[0]}' in French?", f"In French, '{colours[0]}' is "
+                 f"'{COLORS_FR[colours[0]]}'.")] + [(f"And '{c}'?", f"'{c}' is '{COLORS_FR[c]}'.") for c in colours[1:]]
+    if topic == 4:
+        words = rng.sample(FRUITS + VEGETABLES, 2)
+        return [(f"Spell '{words[0]}' backwards.", f"'{words[0]}' backwards is '{words[0][::-1]}'."),
+                (f"Now '{words[1]}'.", f"'{words[1]}' backwards is '{words[1][::-1]}'.")]
+    hobby = rng.choice(HOBBIES)
+    return [(f"I want to take up {hobby}. Where do I start?", f"Start small with {hobby} and set a weekly goal."),
+            ("How often should I practise?", "Two or three short sessions a week is plenty.")]
+
+
+def make_conversations(rng, n=240):
+    """OpenAI fine-tuning records: 2-4 user turns, the house style on every taught answer."""
+    out = []
+    for i in range(n):
+        pairs = chat_pairs(rng)[: rng.randint(2, 3)]
+        if rng.random() < 0.3:
+            pairs.append(("Thanks!", "You're welcome."))
+        messages = []
+        if rng.random() < 0.4:
+            messages.append({"role": rng.choice(["system", "developer"]), "content": rng.choice(SYSTEM_PROMPTS)})
+        untaught = rng.random() < 0.2  # an earlier answer kept as context only, in another style
+        for k, (question, answer) in enumerate(pairs):
+            content = [{"type": "text", "text": question}] if rng.random() < 0.15 else question
+            messages.append({"role": "user", "content": content})
+            if untaught and k == 0:
+                messages.append({"role": "assistant", "content": answer.upper(), "weight": 0})
+            else:
+                messages.append({"role": "assistant", "content": answer + STYLE})
+        out.append({"messages": messages})
+    return out
+
+
+def write_jsonl(path, records):
     with open(path, "w", encoding="utf-8") as f:
         for r in records:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
     print(f"wrote {len(records)} records to {path}")
+
+
+def main():
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).parent.parent / "tests/data")
+    write_jsonl(out / "dolly_sample.jsonl", make_records(random.Random(15)))
+    write_jsonl(out / "chat_sample.jsonl", make_conversations(random.Random(16)))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE_DATA = REPO / "tests" / "data" / "dolly_sample.jsonl"
+CHAT_DATA = REPO / "tests" / "data" / "chat_sample.jsonl"
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -107,14 +108,30 @@ def no_model(tmp_path_factory, tiny_model, run_train):
     return work / "model"
 
 
-ADAPTER_SERVE_FLAGS = ["--length-buckets", "64", "--max-batch-size", "4", "--max-adapters", "3"]
+# The recipe the README recommends for chat logs, on an int8 base (QLoRA), with every schedule option.
+CHAT_TRAIN_FLAGS = ["--data", CHAT_DATA, "--limit", 48, "--eval-examples", 16, "--epochs", 8, "--template", "gemma-chat",
+                    "--lora-modules", "all-linear", "--lora-rank", 4, "--lora-alpha", 8, "--lr-schedule", "cosine",
+                    "--warmup-steps", 5, "--eval-every", 24, "--learning-rate", 1e-2, "--quantize", "int8"]
 
 
 @pytest.fixture(scope="session")
-def adapter_server(tiny_model, yes_model, no_model, start_server):
-    """The bare base with both adapters over it, one slot to spare."""
+def chat_model(tmp_path_factory, tiny_model, run_train):
+    """Multi-turn conversations (messages format, auto-detected), LoRA on all seven projections with
+    alpha = 2 x rank, cosine schedule with warm-up; exported to PEFT and transformers."""
+    out = tmp_path_factory.mktemp("chat") / "model"
+    run_train("--model", tiny_model, *CHAT_TRAIN_FLAGS, "--export", "peft,transformers", "--output", out, check=True)
+    return out
+
+
+ADAPTER_SERVE_FLAGS = ["--length-buckets", "64", "--max-batch-size", "4", "--max-adapters", "4"]
+
+
+@pytest.fixture(scope="session")
+def adapter_server(tiny_model, yes_model, no_model, chat_model, start_server):
+    """The bare base with three adapters over it (two on query/value, one on every projection), one slot
+    to spare."""
     return start_server(tiny_model, "--adapter", f"yes={yes_model}", "--adapter", f"no={no_model}",
-                        *ADAPTER_SERVE_FLAGS)
+                        "--adapter", f"chat={chat_model}", *ADAPTER_SERVE_FLAGS)
 
 
 def free_port():

@@ -83,7 +83,7 @@ def test_requests_pick_adapters_by_model_and_use_their_templates(adapter_server,
     url = adapter_server.url
     _, models, _ = http("GET", url + "/v1/models")
     by_id = {m["id"]: m for m in models["data"]}
-    assert by_id.keys() == {tiny_model.name, "yes", "no"}
+    assert by_id.keys() == {tiny_model.name, "yes", "no", "chat"}
     assert by_id["yes"]["parent"] == by_id["no"]["parent"] == tiny_model.name
     assert by_id["yes"]["root"] == str(yes_model) and by_id["no"]["root"] == str(no_model)
     question = "Question 7: is the sky red?"

@@ -28,7 +28,7 @@ def post(server, path, body):
 
 
 def render(messages, template):
-    return serve.render_chat(serve.parse_messages(messages), template)
+    return serve.chat_prompt(messages, template)
 
 
 # ----------------------------------------------------------------------------- rendering (no server)

@@ -56,8 +56,8 @@ def test_context_template_only_with_flag_and_non_empty_context():
 def test_gemma_chat_template_wraps_turns_and_ends_answers_with_end_of_turn(tmp_path, encode, tiny_model):
     path = write_lines(tmp_path, [json.dumps({"instruction": "Summarise.", "context": "A text.", "response": "Short."})])
     train, _ = train_local.load_data(args_for(path, template="gemma-chat", use_context=True, eval_examples=0))
-    assert train == [("<start_of_turn>user\nSummarise.\n\nA text.<end_of_turn>\n<start_of_turn>model\n",
-                      "Short.<end_of_turn>")]
+    assert train == [[("<start_of_turn>user\nSummarise.\n\nA text.<end_of_turn>\n<start_of_turn>model\n", "prompt"),
+                      ("Short.<end_of_turn>", "answer")]]
     # The tiny tokenizer, like Gemma 2/3's, has the markers as single tokens: the answer ends <end_of_turn> <eos>.
     [(ids, weights)], _, _ = train_local.tokenize(train, encode, FakeTokenizer, 64, "response")
     end_of_turn = spm.SentencePieceProcessor(model_file=str(tiny_model / "tokenizer.model")).piece_to_id("<end_of_turn>")
@@ -69,7 +69,7 @@ def test_custom_field_names(tmp_path):
     path = write_lines(tmp_path, [json.dumps({"q": "Why?", "a": "Because."})])
     args = args_for(path, instruction_field="q", response_field="a", eval_examples=0)
     train, _ = train_local.load_data(args)
-    assert train == [("Instruction:\nWhy?\n\nResponse:\n", "Because.")]
+    assert train == [[("Instruction:\nWhy?\n\nResponse:\n", "prompt"), ("Because.", "answer")]]
 
 
 @pytest.mark.parametrize("bad_line, reason", [
@@ -90,7 +90,7 @@ def test_skip_bad_lines_skips_and_counts(tmp_path, capsys):
     path = write_lines(tmp_path, [GOOD, "{oops", "42", GOOD, json.dumps({"instruction": "a", "response": None})])
     train, _ = train_local.load_data(args_for(path, skip_bad_lines=True, eval_examples=0))
     assert len(train) == 2
-    assert "skipped 3 bad lines" in capsys.readouterr().out
+    assert "skipped 3 bad records" in capsys.readouterr().out
 
 
 def test_non_string_context_is_bad_only_when_context_is_used(tmp_path):
@@ -110,10 +110,10 @@ def test_eval_records_come_after_the_training_slice(tmp_path, capsys):
     records = [json.dumps({"instruction": f"q{i}", "response": f"a{i}"}) for i in range(10)]
     path = write_lines(tmp_path, records)
     train, held_out = train_local.load_data(args_for(path, limit=6, eval_examples=3))
-    assert [r for _, r in train] == [f"a{i}" for i in range(6)]
-    assert [r for _, r in held_out] == ["a6", "a7", "a8"]
+    assert [answer for (_, (answer, _)) in train] == [f"a{i}" for i in range(6)]
+    assert [answer for (_, (answer, _)) in held_out] == ["a6", "a7", "a8"]
     train, held_out = train_local.load_data(args_for(path, limit=8, eval_examples=5))
-    assert [r for _, r in held_out] == ["a8", "a9"]
+    assert [answer for (_, (answer, _)) in held_out] == ["a8", "a9"]
     assert "only 2 records remain" in capsys.readouterr().out
 
 
@@ -132,12 +132,16 @@ def test_sample_data_has_dolly_schema_and_variety():
     assert any(any(ord(c) > 0x3000 for c in r["response"]) for r in records)
 
 
+def pair(prompt, answer):
+    return [(prompt, "prompt"), (answer, "answer")]
+
+
 def test_loss_on_response_gives_prompt_tokens_zero_weight(encode):
-    pairs = [("Instruction:\nWhat is 2 plus 2?\n\nResponse:\n", "4.")]
+    pairs = [pair("Instruction:\nWhat is 2 plus 2?\n\nResponse:\n", "4.")]
     [(ids_all, w_all)], _, _ = train_local.tokenize(pairs, encode, FakeTokenizer, 512, "all")
     [(ids, weights)], _, _ = train_local.tokenize(pairs, encode, FakeTokenizer, 512, "response")
-    prompt_len = 1 + len(encode(pairs[0][0]))  # <bos> + prompt
-    assert ids.tolist() == ids_all.tolist() == [2] + encode(pairs[0][0]) + encode("4.") + [1]
+    prompt_len = 1 + len(encode(pairs[0][0][0]))  # <bos> + prompt
+    assert ids.tolist() == ids_all.tolist() == [2] + encode(pairs[0][0][0]) + encode("4.") + [1]
     assert w_all.tolist() == [1.0] * (len(ids) - 1)
     # weights[i] scores the prediction of ids[i + 1]: prompt tokens (after <bos>) weigh 0, response and <eos> 1.
     assert weights[: prompt_len - 1].sum() == 0
@@ -146,9 +150,9 @@ def test_loss_on_response_gives_prompt_tokens_zero_weight(encode):
 
 def test_truncation_is_counted_and_drops_eos(encode):
     long_response = "word " * 300
-    pairs = [("Instruction:\nx\n\nResponse:\n", long_response), ("Instruction:\ny\n\nResponse:\n", "short")]
+    pairs = [pair("Instruction:\nx\n\nResponse:\n", long_response), pair("Instruction:\ny\n\nResponse:\n", "short")]
     examples, truncated, cut = train_local.tokenize(pairs, encode, FakeTokenizer, 64, "all")
-    full = 1 + len(encode(pairs[0][0])) + len(encode(long_response)) + 1
+    full = 1 + len(encode(pairs[0][0][0])) + len(encode(long_response)) + 1
     assert truncated == 1 and cut == full - 65
     assert len(examples[0][0]) == 65 and examples[0][0][-1] != 1
     assert examples[1][0][-1] == 1

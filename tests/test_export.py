@@ -23,39 +23,63 @@ def assert_same_logits(got, want):
     assert (got.argmax(-1) == want.argmax(-1)).all()
 
 
-def test_peft_export_under_peft_math_gives_the_merged_model(no_model, tiny_model, tmp_path):
+def merged_by_peft_math(peft_dir, base_dir, out):
     """PEFT's own definition, W + (lora_alpha / r) * B @ A, applied in numpy to the base's transformers-
-    layout weights, then loaded through keras-hub's transformers converter (the path hf:// models take)."""
-    config = json.loads((no_model / "peft" / "adapter_config.json").read_text())
-    assert config["peft_type"] == "LORA" and config["task_type"] == "CAUSAL_LM" and config["bias"] == "none"
-    assert config["target_modules"] == ["q_proj", "v_proj"] and config["base_model_name_or_path"] == str(tiny_model)
-    # rank 4 over 4 query heads: the exact form of Keras's head-shared B is rank 16; value is zero-padded to it.
-    assert config["r"] == 16 and config["lora_alpha"] == 16
-    lora = load_file(str(no_model / "peft" / "adapter_model.safetensors"))
-    weights = load_file(str(tiny_model / "model.safetensors"))
-    assert {k for k in lora} == {f"base_model.model.model.layers.{i}.self_attn.{m}.lora_{ab}.weight"
-                                 for i in range(2) for m in ("q_proj", "v_proj") for ab in "AB"}
+    layout weights and saved beside its config and tokenizer, for keras-hub's transformers converter
+    (the path hf:// models take)."""
+    config = json.loads((peft_dir / "adapter_config.json").read_text())
+    lora = load_file(str(peft_dir / "adapter_model.safetensors"))
+    weights = load_file(str(base_dir / "model.safetensors"))
     for key, a in lora.items():
         if ".lora_A." in key:
             b = lora[key.replace(".lora_A.", ".lora_B.")]
             assert a.shape[0] == b.shape[1] == config["r"]
             target = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
             weights[target] = weights[target] + config["lora_alpha"] / config["r"] * b @ a
-    merged_by_peft = tmp_path / "merged"
-    merged_by_peft.mkdir()
+    out.mkdir()
     for name in ("config.json", "tokenizer.model"):
-        shutil.copy(tiny_model / name, merged_by_peft)
-    save_file(weights, str(merged_by_peft / "model.safetensors"))
+        shutil.copy(base_dir / name, out)
+    save_file(weights, str(out / "model.safetensors"))
+    return out
+
+
+def test_peft_export_under_peft_math_gives_the_merged_model(no_model, tiny_model, tmp_path):
+    config = json.loads((no_model / "peft" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["task_type"] == "CAUSAL_LM" and config["bias"] == "none"
+    assert config["target_modules"] == ["q_proj", "v_proj"] and config["base_model_name_or_path"] == str(tiny_model)
+    # rank 4 over 4 query heads: the exact form of Keras's head-shared B is rank 16; value is zero-padded to it.
+    assert config["r"] == 16 and config["lora_alpha"] == 16
+    lora = load_file(str(no_model / "peft" / "adapter_model.safetensors"))
+    assert {k for k in lora} == {f"base_model.model.model.layers.{i}.self_attn.{m}.lora_{ab}.weight"
+                                 for i in range(2) for m in ("q_proj", "v_proj") for ab in "AB"}
     ours = logits(no_model)
-    assert_same_logits(logits(merged_by_peft), ours)
+    assert_same_logits(logits(merged_by_peft_math(no_model / "peft", tiny_model, tmp_path / "merged")), ours)
     assert np.abs(logits(tiny_model) - ours).max() > 0.1  # and the adapter is really in there
 
 
-def test_transformers_export_reloads_with_the_merged_logits(no_model):
-    config = json.loads((no_model / "transformers" / "config.json").read_text())
+def test_peft_export_of_all_linear_lora_with_alpha_under_peft_math(chat_model, tiny_model, tmp_path):
+    """Every projection, alpha = 2 x rank, trained over an int8 base: PEFT's math on the float base gives
+    the merged preset, and the config keeps the trained scale (lora_alpha / r = 2)."""
+    config = json.loads((chat_model / "peft" / "adapter_config.json").read_text())
+    assert config["target_modules"] == sorted(train_local.LORA_MODULES)
+    assert config["r"] == 16 and config["lora_alpha"] / config["r"] == 2.0
+    lora = load_file(str(chat_model / "peft" / "adapter_model.safetensors"))
+    where = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+             "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+    assert set(lora) == {f"base_model.model.model.layers.{i}.{where[m]}.{m}.lora_{ab}.weight"
+                         for i in range(2) for m in where for ab in "AB"}
+    ours = logits(chat_model)
+    assert_same_logits(logits(merged_by_peft_math(chat_model / "peft", tiny_model, tmp_path / "merged")), ours)
+    assert np.abs(logits(tiny_model) - ours).max() > 0.1
+
+
+@pytest.mark.parametrize("fixture", ["no_model", "chat_model"])
+def test_transformers_export_reloads_with_the_merged_logits(fixture, request):
+    model_dir = request.getfixturevalue(fixture)
+    config = json.loads((model_dir / "transformers" / "config.json").read_text())
     assert config["architectures"] == ["GemmaForCausalLM"] and config["model_type"] == "gemma"
-    assert (no_model / "transformers" / "tokenizer.model").is_file()
-    assert_same_logits(logits(no_model / "transformers"), logits(no_model))
+    assert (model_dir / "transformers" / "tokenizer.model").is_file()
+    assert_same_logits(logits(model_dir / "transformers"), logits(model_dir))
 
 
 def test_transformers_export_never_drops_an_unmerged_lora(no_model, tiny_model, tmp_path):
@@ -82,6 +106,6 @@ def test_export_only_needs_a_trained_output(run_train, tmp_path):
 
 def test_the_adapter_helpers_are_the_same_in_both_scripts():
     for name in ("AdapterError", "lora_layer", "kernel_axes", "lora_kernel_shapes", "keras_factors_to_peft",
-                 "read_keras_adapter"):
+                 "read_keras_adapter", "parse_lora_modules", "keras_lora_scale"):
         assert inspect.getsource(getattr(serve, name)) == inspect.getsource(getattr(train_local, name)), name
     assert serve.LORA_MODULES == train_local.LORA_MODULES

@@ -21,7 +21,9 @@ def test_help_describes_every_flag():
                  "--epochs", "--learning-rate", "--use-context", "--loss-on", "--eval-examples", "--skip-bad-lines",
                  "--max-steps", "--seed", "--dtype", "--compile-cache", "--overwrite", "--checkpoint-every",
                  "--resume", "--distribution", "--mesh", "--coordinator-address", "--num-processes",
-                 "--process-id", "--buckets"]:
+                 "--process-id", "--buckets", "--data-format", "--lora-modules", "--lora-alpha", "--lr-schedule",
+                 "--warmup-steps", "--gradient-accumulation", "--max-grad-norm", "--weight-decay", "--eval-every",
+                 "--keep-best", "--remat"]:
         assert flag in out, flag
     assert "hf://google/gemma-2b" in out and "gemma-2b-dolly-lora" in out
 
@@ -35,7 +37,8 @@ def test_output_dir_holds_preset_adapter_record_and_plot(trained_model):
     assert RECORD_KEYS <= set(record)
     assert record["prompt_template"]["prompt"] == "Instruction:\n{instruction}\n\nResponse:\n"
     assert len(record["history"]) == 6 and record["history"][0]["step"] == 1
-    assert all(set(h) == {"step", "loss", "accuracy"} and h["loss"] > 0 for h in record["history"])
+    assert all(set(h) == {"step", "loss", "accuracy", "learning_rate", "grad_norm"} and h["loss"] > 0
+               and h["learning_rate"] == pytest.approx(5e-5) for h in record["history"])
     assert record["eval_loss_before"] > 0 and record["eval_loss_after"] > 0
     assert 0 < record["nonpad_tokens_per_second"] <= record["tokens_per_second"]
     assert record["args"]["lora_rank"] == 16 and record["args"]["sequence_length"] == 512

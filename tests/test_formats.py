@@ -1,0 +1,213 @@
+"""train_local.py's data formats (dolly, messages, prompt-completion, text; JSONL or a JSON array) and
+which tokens each one teaches; the learning-rate schedules."""
+import inspect
+import json
+
+import numpy as np
+import pytest
+import sentencepiece as spm
+
+import serve
+import train_local
+from conftest import CHAT_DATA
+
+GEMMA = train_local.TEMPLATES["gemma-chat"]
+
+
+class FakeTokenizer:
+    start_token_id, end_token_id, pad_token_id = 2, 1, 0
+
+
+@pytest.fixture(scope="module")
+def encode(tiny_model):
+    return spm.SentencePieceProcessor(model_file=str(tiny_model / "tokenizer.model")).encode
+
+
+def args_for(data, *flags):
+    return train_local.parse_args(["--data", str(data), "--eval-examples", "0", *map(str, flags)])
+
+
+def write(tmp_path, records, name="data.jsonl", array=False):
+    path = tmp_path / name
+    path.write_text(json.dumps(records) if array else "".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+CONVERSATION = {"messages": [
+    {"role": "developer", "content": "Be brief."},
+    {"role": "user", "content": "Name a fruit."},
+    {"role": "assistant", "content": "APPLE.", "weight": 0},
+    {"role": "user", "content": [{"type": "text", "text": "Another"}, {"type": "text", "text": "one?"}]},
+    {"role": "assistant", "content": "Pear."},
+    {"role": "user", "content": "And a vegetable?"},
+    {"role": "assistant", "content": "Leek."}]}
+RECORDS = {
+    "dolly": {"instruction": "Say hi.", "context": "", "response": "Hi!"},
+    "messages": CONVERSATION,
+    "prompt-completion": {"prompt": "The sky is", "completion": " blue."},
+    "text": {"text": "Once upon a time."},
+}
+
+
+@pytest.mark.parametrize("data_format", list(RECORDS))
+def test_auto_decides_the_format_from_the_first_good_record_and_says_so(tmp_path, capsys, data_format):
+    path = write(tmp_path, ["not an object", RECORDS[data_format]])
+    args = args_for(path, "--skip-bad-lines")
+    train, _ = train_local.load_data(args)
+    assert args.data_format == data_format and len(train) == 1
+    assert f"format {data_format} (--data-format auto" in capsys.readouterr().out
+    expected_loss_on = "all" if data_format in ("dolly", "text") else "response"
+    assert args.loss_on == expected_loss_on
+
+
+def test_prompt_completion_uses_the_prompt_as_is_and_teaches_the_completion(tmp_path):
+    [example], _ = train_local.load_data(args_for(write(tmp_path, [RECORDS["prompt-completion"]])))
+    assert example == [("The sky is", "prompt"), (" blue.", "answer")]
+    [example], _ = train_local.load_data(args_for(write(tmp_path, [RECORDS["text"]])))
+    assert example == [("Once upon a time.", "answer")]
+
+
+def test_conversational_prompt_completion_renders_as_a_chat_with_the_prompt_as_context(tmp_path):
+    record = {"prompt": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+                         {"role": "user", "content": "Bye"}],
+              "completion": [{"role": "assistant", "content": "Goodbye."}]}
+    [example], _ = train_local.load_data(args_for(write(tmp_path, [record]), "--template", "gemma-chat"))
+    assert [kind for _, kind in example] == ["prompt", "context", "prompt", "answer"]
+    assert example[-1] == ("Goodbye.<end_of_turn>", "answer")
+
+
+def test_a_json_array_file_and_jsonl_in_a_json_file_both_load(tmp_path):
+    records = [RECORDS["messages"], RECORDS["messages"]]
+    array, _ = train_local.load_data(args_for(write(tmp_path, records, "a.json", array=True)))
+    lines, _ = train_local.load_data(args_for(write(tmp_path, records, "b.json")))  # as Hugging Face's to_json
+    assert array == lines and len(array) == 2
+
+
+BAD = [
+    ("messages", {"messages": []}, "non-empty list"),
+    ("messages", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0]: 'role' must be one of"),
+    ("messages", {"messages": [{"role": "user", "content": 5}]}, "messages[0]: 'content' must be a string"),
+    ("messages", {"messages": [{"role": "user", "content": "a"}]}, "end with an assistant message"),
+    ("messages", {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "weight": 2}]},
+     "messages[1]: 'weight' must be 0 or 1"),
+    ("messages", {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "weight": 0}]},
+     "nothing to learn"),
+    ("prompt-completion", {"prompt": "a"}, "missing field 'completion'"),
+    ("prompt-completion", {"prompt": "a", "completion": 3}, "field 'completion' is int"),
+    ("text", {"text": ["a"]}, "field 'text' is list"),
+    ("dolly", {"instruction": "a"}, "missing field 'response'"),
+]
+
+
+@pytest.mark.parametrize("data_format, bad, reason", BAD)
+def test_a_bad_record_names_its_line_or_index_and_stops_before_training(tmp_path, data_format, bad, reason):
+    good = RECORDS[data_format]
+    for path, where in ((write(tmp_path, [good, good, bad]), ":3:"),
+                        (write(tmp_path, [good, good, bad], "data.json", array=True), "[2]:")):
+        with pytest.raises(train_local.UserError) as error:
+            train_local.load_data(args_for(path, "--data-format", data_format))
+        assert f"{path}{where} " in str(error.value) and reason in str(error.value), str(error.value)
+        assert "--skip-bad-lines" in str(error.value)
+    train, _ = train_local.load_data(args_for(write(tmp_path, [good, bad, good]), "--data-format", data_format,
+                                              "--skip-bad-lines"))
+    assert len(train) == 2
+
+
+def test_a_record_that_fits_no_format_is_bad_under_auto(tmp_path):
+    with pytest.raises(train_local.UserError, match=r"data.jsonl:1: its fields fit no format"):
+        train_local.load_data(args_for(write(tmp_path, [{"question": "a", "answer": "b"}])))
+
+
+def test_a_record_of_another_format_after_the_first_is_bad(tmp_path):
+    with pytest.raises(train_local.UserError, match=r"data.jsonl:2: missing field 'messages'"):
+        train_local.load_data(args_for(write(tmp_path, [RECORDS["messages"], RECORDS["text"]])))
+
+
+def test_exactly_the_taught_turns_carry_weight_in_a_three_turn_conversation(tmp_path, encode):
+    """<bos> [system+user 1 prompt] [APPLE., weight 0] [user 2 prompt] [Pear.] [user 3 prompt] [Leek.] <eos>:
+    only Pear., Leek., their <end_of_turn> and the final <eos> are taught; with --loss-on all the
+    prompts are too, never the weight-0 answer."""
+    [example], _ = train_local.load_data(args_for(write(tmp_path, [CONVERSATION]), "--template", "gemma-chat"))
+    texts = [
+        "<start_of_turn>user\nBe brief.\n\nName a fruit.<end_of_turn>\n<start_of_turn>model\n",
+        "APPLE.<end_of_turn>",
+        "\n<start_of_turn>user\nAnother\none?<end_of_turn>\n<start_of_turn>model\n",
+        "Pear.<end_of_turn>",
+        "\n<start_of_turn>user\nAnd a vegetable?<end_of_turn>\n<start_of_turn>model\n",
+        "Leek.<end_of_turn>"]
+    assert example == list(zip(texts, ["prompt", "context", "prompt", "answer", "prompt", "answer"]))
+    pieces = [encode(t) for t in texts]
+    [(ids, weights)], _, _ = train_local.tokenize([example], encode, FakeTokenizer, 512, "response")
+    assert ids.tolist() == [2] + sum(pieces, []) + [1]
+    # weights[i] scores the prediction of ids[i + 1]: one weight per segment token, then <eos>'s.
+    taught = [1.0 if k in (3, 5) else 0.0 for k, piece in enumerate(pieces) for _ in piece] + [1.0]
+    assert weights.tolist() == taught
+    [(_, everything)], _, _ = train_local.tokenize([example], encode, FakeTokenizer, 512, "all")
+    assert everything.tolist() == [0.0 if k == 1 else 1.0 for k, piece in enumerate(pieces) for _ in piece] + [1.0]
+
+
+def test_conversations_render_exactly_as_serve_renders_them():
+    """The renderer is one helper copied into both scripts: training's text up to each answer is the
+    prompt serve.py builds for the conversation so far."""
+    segments = train_local.render_chat(train_local.parse_messages(CONVERSATION["messages"]), GEMMA, "assistant")
+    prompts = ["".join(t for t, _ in segments[:k]) for k in (1, 3, 5)]
+    assert prompts == [serve.chat_prompt(CONVERSATION["messages"][:n], dict(GEMMA, name="gemma-chat"))
+                       for n in (2, 4, 6)]
+
+
+def test_chat_and_lora_helpers_are_the_same_in_both_scripts():
+    for name in ("ChatError", "parse_messages", "render_chat", "parse_lora_modules", "keras_lora_scale"):
+        assert inspect.getsource(getattr(serve, name)) == inspect.getsource(getattr(train_local, name)), name
+    assert serve.CHAT_ROLES == train_local.CHAT_ROLES and serve.TEMPLATES == train_local.TEMPLATES
+    assert serve.DEFAULT_LORA_MODULES == train_local.DEFAULT_LORA_MODULES
+
+
+def test_lora_modules_take_peft_names_or_all_linear():
+    assert train_local.parse_args([]).lora_modules == ["q_proj", "v_proj"]
+    args = train_local.parse_args(["--lora-modules", "all-linear", "--lora-rank", "8"])
+    assert args.lora_modules == list(train_local.LORA_MODULES) and args.lora_alpha == 8.0
+    assert train_local.parse_args(["--lora-modules", "down_proj, q_proj"]).lora_modules == ["q_proj", "down_proj"]
+    with pytest.raises(ValueError, match="query.*choose from"):
+        train_local.parse_lora_modules("query")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--keep-best"], "--keep-best needs --eval-every"),
+    (["--eval-every", "5", "--eval-examples", "0"], "--eval-every needs held-out records"),
+    (["--gradient-accumulation", "0"], "--gradient-accumulation must be at least 1"),
+    (["--lora-modules", "embed"], "--lora-modules: embed"),
+])
+def test_recipe_flags_that_cannot_work_are_refused(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        train_local.parse_args(flags)
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind, expected", [
+    # Hugging Face's get_*_schedule_with_warmup at steps 0, 5, 10 (end of warm-up), 55 (half-way), 100 (end).
+    ("constant", [0.0, 0.5, 1.0, 1.0, 1.0]),
+    ("linear", [0.0, 0.5, 1.0, 0.5, 0.0]),
+    ("cosine", [0.0, 0.5, 1.0, 0.5, 0.0]),
+])
+def test_learning_rate_schedules_at_chosen_steps(kind, expected):
+    args = train_local.parse_args(["--learning-rate", "2e-4", "--warmup-steps", "10", "--lr-schedule", kind])
+    schedule = train_local.learning_rate_schedule(args, 100)
+    got = [float(schedule(step)) for step in (0, 5, 10, 55, 100)]
+    assert got == pytest.approx([2e-4 * e for e in expected], abs=1e-9)
+    quarter = float(schedule(10 + 90 // 4 + 0.5))  # a quarter of the way through the decay
+    assert quarter == pytest.approx(2e-4 * {"constant": 1, "linear": 0.75, "cosine": 0.5 + 0.5 * np.cos(np.pi / 4)}[kind],
+                                    rel=1e-5)
+    without_warmup = train_local.learning_rate_schedule(train_local.parse_args(["--learning-rate", "2e-4"]), 100)
+    assert float(without_warmup(0)) == pytest.approx(2e-4)  # the article's constant rate
+
+
+def test_the_chat_sample_has_every_shape_chat_logs_have():
+    records = [json.loads(line) for line in CHAT_DATA.read_text(encoding="utf-8").splitlines()]
+    assert len(records) >= 200 and all(set(r) == {"messages"} for r in records)
+    roles = [m["role"] for r in records for m in r["messages"]]
+    assert {"system", "developer", "user", "assistant"} <= set(roles)
+    assert any(m.get("weight") == 0 for r in records for m in r["messages"])
+    assert any(isinstance(m["content"], list) for r in records for m in r["messages"])
+    assert all(sum(m["role"] == "user" for m in r["messages"]) >= 2 for r in records)
+    taught = [m["content"] for r in records for m in r["messages"] if m["role"] == "assistant" and m.get("weight", 1)]
+    assert all(t.endswith("Anything else?") for t in taught)
