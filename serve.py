@@ -18,10 +18,13 @@ requests share one decode loop (continuous batching): each row has its own posit
 request the moment it frees, and stops at its own stop token or max_tokens.
 """
 import argparse
+import array
 import collections
 import contextlib
 import functools
+import hashlib
 import hmac
+import itertools
 import json
 import os
 import queue
@@ -36,6 +39,8 @@ import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+
+import numpy as np
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
@@ -81,6 +86,13 @@ def parse_args(argv=None):
     p.add_argument("--lora-modules", default=None,
                    help="projections adapters may change, of " + ",".join(LORA_MODULES) + ", or all-linear (default: "
                         "q_proj,v_proj and all that the --adapter ones change)")
+    p.add_argument("--prefix-cache-blocks", type=int, default=None,
+                   help="automatic prefix caching: KV blocks kept on the device for prompts that start alike (a "
+                        "system prompt, a conversation's history); 0 turns it off (default: 8 longest prompts' "
+                        "worth, 8 x the largest --length-buckets / --prefix-block-tokens)")
+    p.add_argument("--prefix-block-tokens", type=int, default=16,
+                   help="positions per prefix-cache block; only whole blocks are shared (default: 16, the smallest "
+                        "block the engine prefills, so a hit recomputes at most 15 tokens of a cached prefix)")
     p.add_argument("--host", default="0.0.0.0", help="bind address (default: %(default)s)")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--max-batch-size", type=int, default=8, help="most requests decoded together (default: 8)")
@@ -121,6 +133,12 @@ def parse_args(argv=None):
     if args.quantize != "none" and args.distribution == "model":
         p.error("--quantize cannot be combined with --distribution model: the layout map shards float kernels")
     args.max_tokens_limit = args.max_tokens_limit or args.length_buckets[-1]
+    if args.prefix_block_tokens < 1 or any(length % args.prefix_block_tokens for length in args.length_buckets):
+        p.error(f"--prefix-block-tokens {args.prefix_block_tokens} must divide every --length-buckets length")
+    if args.prefix_cache_blocks is None:
+        args.prefix_cache_blocks = 8 * args.length_buckets[-1] // args.prefix_block_tokens
+    if args.prefix_cache_blocks < 0:
+        p.error("--prefix-cache-blocks must not be negative")
     adapters = {}
     for spec in args.adapter:
         name, _, path = spec.partition("=")
@@ -158,6 +176,8 @@ class Metrics:
         self.latency_counts = [0] * (len(LATENCY_BUCKETS) + 1)
         self.latency_sum = 0.0
         self.prompt_tokens = self.generated_tokens = self.compilations = self.cancelled = 0
+        self.cached_prompt_tokens = self.prefix_bytes = self.prefix_blocks = 0
+        self.prefix_used = lambda: 0
         self.refused_connections = self.idle_closed = 0
         self.weight_bytes, self.weights = 0, {}  # weights: labels of serve_model_info
         self.batch_sizes = {}
@@ -199,7 +219,17 @@ class Metrics:
                 lines.append(f'serve_request_latency_seconds_bucket{{le="{bound}"}} {cumulative}')
             lines += [f"serve_request_latency_seconds_sum {self.latency_sum}",
                       f"serve_request_latency_seconds_count {cumulative}",
+                      "# HELP serve_prompt_tokens_total Prompt tokens of generation requests.",
                       "# TYPE serve_prompt_tokens_total counter", f"serve_prompt_tokens_total {self.prompt_tokens}",
+                      "# HELP serve_cached_prompt_tokens_total Prompt tokens whose KV came from the prefix cache.",
+                      "# TYPE serve_cached_prompt_tokens_total counter",
+                      f"serve_cached_prompt_tokens_total {self.cached_prompt_tokens}",
+                      "# HELP serve_prefix_cache_bytes Device memory of the prefix-cache pool.",
+                      "# TYPE serve_prefix_cache_bytes gauge", f"serve_prefix_cache_bytes {self.prefix_bytes}",
+                      "# HELP serve_prefix_cache_blocks Prefix-cache blocks, by whether they hold a prefix.",
+                      "# TYPE serve_prefix_cache_blocks gauge",
+                      f'serve_prefix_cache_blocks{{state="used"}} {self.prefix_used()}',
+                      f'serve_prefix_cache_blocks{{state="free"}} {self.prefix_blocks - self.prefix_used()}',
                       "# TYPE serve_generated_tokens_total counter",
                       f"serve_generated_tokens_total {self.generated_tokens}",
                       "# HELP serve_queue_depth Requests waiting for the model worker.",
@@ -264,7 +294,6 @@ def make_text_codec(tokenizer):
             proto = Path(proto).read_bytes()
         sp = sentencepiece.SentencePieceProcessor(model_proto=proto)
         return sp.encode, sp.decode
-    import numpy as np
     return (lambda text: np.asarray(tokenizer(text)).tolist()), (lambda ids: str(tokenizer.detokenize(ids)))
 
 
@@ -612,11 +641,15 @@ def read_adapter(name, path, backbone, shapes, vocabulary):
     return Adapter(name, str(path), kind, factors, template)
 
 
+ADAPTER_IDS = itertools.count(1)  # 0 is the base, in prefix-cache keys
+
+
 class Adapter:
     """One loaded adapter: its PEFT-form factors, the template it was trained with (if recorded), its slot."""
 
     def __init__(self, name, path, kind, factors, template):
         self.name, self.path, self.kind, self.factors, self.template = name, path, kind, factors, template
+        self.uid = next(ADAPTER_IDS)  # unique for the life of the process: a reloaded adapter is a new one
         self.rank = max(down.shape[1] for down, _ in factors.values())
         self.modules = sorted({m for _, m in factors})
         self.nbytes = sum(down.nbytes + up.nbytes for down, up in factors.values())
@@ -630,7 +663,6 @@ class AdapterSlots:
 
     def __init__(self, backbone, shapes, modules, max_adapters, max_rank, put):
         import jax
-        import numpy as np
         self.modules, self.max_adapters, self.max_rank = tuple(modules), max_adapters, max_rank
         self.sizes, tables = {}, {}
         for (i, m), (shape, equation) in shapes.items():
@@ -692,7 +724,6 @@ class AdapterSlots:
 
     def load(self, adapter):
         """Writes the adapter into a free slot (a compiled update: no compile)."""
-        import numpy as np
         self.check(adapter)
         with self.lock:
             if adapter.name in self.by_name:
@@ -738,16 +769,245 @@ class AdapterSlots:
                 self.held[adapter.slot] = None
 
 
+# ----------------------------------------------------------------------------- engine
+# The engine's steps are module-level functions of explicit arguments, so a test can call any one
+# alone: `model` and its `variables` (whose values come in traced, as `values`), `adapters`
+# (AdapterSlots or None), `axes` (each cache leaf's position axis). Engine binds them, jits each
+# once, and every shape it will ever be called with is compiled at warm-up.
+#
+# The KV cache is a family-specific pytree (Gemma 1/2: one stacked array; Gemma 3: per-layer
+# (key, value) tuples). Which axis of each leaf is the position one is read off abstract shapes, so
+# no layout is assumed; the prefix-cache pool holds the same leaves cut into blocks of positions.
+
+def run_stateless(variables, values, fn):
+    """fn() with the model's variables read from `values`, as a jitted function must."""
+    import keras
+    with keras.StatelessScope(state_mapping=list(zip(variables, values))):
+        return fn()
+
+
+def with_adapter(adapters, tables, slot, fn):
+    """fn() with the LoRA of adapter slot `slot` added (a per-row index under vmap)."""
+    if adapters is None:
+        return fn()
+    with adapters.rows(tables, slot):
+        return fn()
+
+
+def build_cache(model, token_ids):
+    """keras-hub's prefill: the KV cache of `token_ids` from position 0."""
+    import inspect
+    if len(inspect.signature(model._build_cache).parameters) > 1:  # Gemma 3 takes image inputs too
+        return model._build_cache(token_ids, None, None, None, None)[1]
+    return model._build_cache(token_ids)[1]
+
+
+def cache_shapes(model, batch, length):
+    import jax
+    import jax.numpy as jnp
+    return jax.eval_shape(functools.partial(build_cache, model), jax.ShapeDtypeStruct((batch, length), jnp.int32))
+
+
+def cache_position_axes(model):
+    """Each cache leaf's position axis, found by comparing abstract caches of two lengths."""
+    import jax
+    one, two, longer = cache_shapes(model, 1, 8), cache_shapes(model, 2, 8), cache_shapes(model, 1, 16)
+    if any(a.shape[0] != 1 or b.shape[0] != 2 for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(two))):
+        raise ValueError(f"{type(model).__name__}'s cache is not batch-major; serve.py cannot batch it")
+    return jax.tree.map(lambda a, b: next(i for i, (m, n) in enumerate(zip(a.shape, b.shape)) if m != n),
+                        one, longer)
+
+
+def prefill(model, variables, adapters, values, token_ids, tables, slot):
+    """A prompt block's cache (one row, block positions); positions past the prompt hold padding that
+    decoding overwrites before any query can see it."""
+    return run_stateless(variables, values, lambda: with_adapter(adapters, tables, slot,
+                                                                 lambda: build_cache(model, token_ids)))
+
+
+def prefill_after_prefix(model, variables, adapters, values, row_cache, token_ids, start, tables, slot):
+    """The cache of a prompt whose first `start` positions are already in `row_cache` (copied from the
+    prefix-cache pool): keras-hub's cached call writes the rest as one chunk at `start`, and its causal
+    mask and RoPE follow that index. The logits are dropped, so XLA never computes them."""
+    def run():
+        return model.call_with_cache(token_ids, row_cache, start)[2]
+    return run_stateless(variables, values, lambda: with_adapter(adapters, tables, slot, run))
+
+
+def insert(axes, cache, row_cache, row):
+    """Writes a one-row cache into row `row` of a batch's cache (a select, which splits cleanly along a
+    sharded batch axis)."""
+    import jax
+    import jax.numpy as jnp
+
+    def put(big, small, axis):
+        region = jax.lax.slice_in_dim(big, 0, small.shape[axis], axis=axis)
+        is_row = (jnp.arange(big.shape[0]) == row).reshape((-1,) + (1,) * (big.ndim - 1))
+        return jax.lax.dynamic_update_slice_in_dim(big, jnp.where(is_row, small, region), 0, axis=axis)
+    return jax.tree.map(put, cache, row_cache, axes)
+
+
+def forward(model, variables, adapters, values, cache, tokens, positions, tables, slots):
+    """One token per row, each at its own position and with its own adapter: keras-hub's cached call,
+    vmapped over rows so the write index, causal mask and LoRA slot are per row."""
+    import jax
+
+    def one_row(row_cache, token, position, slot):
+        row_cache = jax.tree.map(lambda c: c[None], row_cache)
+        logits, _, row_cache = with_adapter(adapters, tables, slot, lambda: model.call_with_cache(
+            token[None, None], row_cache, position))
+        return logits[0, 0], jax.tree.map(lambda c: c[0], row_cache)
+    return run_stateless(variables, values, lambda: jax.vmap(one_row)(cache, tokens, positions, slots))
+
+
+def sample(logits, positions, temperature, top_k, top_p, seeds):
+    """Per row: the next token (greedy where temperature is 0) and log-probabilities (the token's, and
+    the TOP_LOGPROBS most likely with their ids)."""
+    import jax
+    import jax.numpy as jnp
+    candidates = min(CANDIDATES, logits.shape[-1])
+    logits = logits.astype(jnp.float32)
+    # The barrier keeps top_k's outputs from being fused into their users; otherwise XLA's CPU backend
+    # lowers top_k to a full sort of the vocabulary, several times the model's own cost.
+    top_logits, top_ids = jax.lax.optimization_barrier(jax.lax.top_k(logits, candidates))
+    scaled = top_logits / jnp.maximum(temperature, 1e-6)[:, None]
+    keep = jnp.arange(candidates)[None, :] < top_k[:, None]
+    probs = jax.nn.softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
+    keep &= (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]
+    # Keyed by (seed, position): a seeded request samples the same tokens whatever it is batched with.
+    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(seeds, positions)
+    choice = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, scaled, -jnp.inf))
+    choice = jnp.where(temperature <= 0, 0, choice)
+    token = jnp.take_along_axis(top_ids, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    # Log-probabilities of the distribution after temperature (greedy: temperature 1), before top-k/top-p
+    # truncation; always computed, so asking for them never compiles anything.
+    t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    top_logprobs_all = top_logits / t - jax.nn.logsumexp(logits / t, axis=-1, keepdims=True)
+    token_logprob = jnp.take_along_axis(top_logprobs_all, choice[:, None], axis=-1)[:, 0]
+    keep_top = min(TOP_LOGPROBS, candidates)
+    return token, (token_logprob, top_logprobs_all[:, :keep_top], top_ids[:, :keep_top])
+
+
+def decode_chunk(model, variables, adapters, axes, values, cache, window, tokens, positions, tables, slots,
+                 *sampling):
+    """DECODE_CHUNK steps per dispatch (the host pays its per-call cost once every few tokens), attending
+    over only the first `window` positions: attention and cache traffic grow with the window, and no
+    row in the batch has got further than it yet."""
+    import jax
+    import jax.numpy as jnp
+    view = jax.tree.map(lambda c, axis: jax.lax.slice_in_dim(c, 0, window, axis=axis), cache, axes)
+
+    def step(carry, offset):
+        view, tokens = carry
+        at = jnp.minimum(positions + offset, window - 1)  # only idle rows get this far
+        logits, view = forward(model, variables, adapters, values, view, tokens, at, tables, slots)
+        tokens, logprobs = sample(logits, at, *sampling)
+        return (view, tokens), (tokens, logprobs)
+    (view, _), (sampled, logprobs) = jax.lax.scan(step, (view, tokens), jnp.arange(DECODE_CHUNK))
+    cache = jax.tree.map(lambda c, v, axis: jax.lax.dynamic_update_slice_in_dim(c, v, 0, axis=axis),
+                         cache, view, axes)
+    return (sampled, logprobs), cache
+
+
+def gather_blocks(axes, pool, block_ids):
+    """A one-row cache of len(block_ids) x block positions, block k taken from pool block block_ids[k]."""
+    import jax
+    import jax.numpy as jnp
+
+    def gather(leaf, axis):
+        blocks = jnp.moveaxis(leaf[block_ids], 0, axis - 1)  # [..., n blocks, block tokens, ...]
+        return blocks.reshape(blocks.shape[:axis - 1] + (-1,) + blocks.shape[axis + 1:])[None]
+    return jax.tree.map(gather, pool, axes)
+
+
+def store_blocks(axes, pool, row_cache, sources, targets):
+    """Copies block sources[k] of a one-row cache into pool block targets[k], for every k (pairs that
+    should do nothing target the pool's scratch block)."""
+    import jax
+    import jax.numpy as jnp
+
+    def store(leaf, row, axis):
+        size = leaf.shape[axis]
+        row = row[0].reshape(row.shape[1:axis] + (row.shape[axis] // size, size) + row.shape[axis + 1:])
+        return jnp.asarray(leaf).at[targets].set(jnp.moveaxis(row, axis - 1, 0)[sources])
+    return jax.tree.map(store, pool, row_cache, axes)
+
+
+class PrefixCache:
+    """Which prompt prefixes the engine's device pool holds: --prefix-cache-blocks blocks of
+    --prefix-block-tokens positions of KV each (plus a scratch block). A block's key hashes every token
+    before and in it, and the adapter of the row that computed it (an adapter changes K and V), so one
+    key is one exact KV. Only full blocks are kept; least recently used blocks that no running
+    generation holds are evicted first. The worker thread alone calls it."""
+
+    def __init__(self, blocks, block_tokens):
+        self.blocks, self.block_tokens, self.scratch = blocks, block_tokens, blocks
+        self.by_key = collections.OrderedDict()  # key -> block, least recently used first
+        self.free = list(range(blocks - 1, -1, -1))
+        self.holders = [0] * blocks  # running generations that hold each block
+
+    def keys(self, ids, adapter):
+        """The key chain of the full blocks of `ids`."""
+        digest, keys, size = hashlib.sha256(b"adapter %d" % adapter).digest(), [], self.block_tokens
+        for start in range(0, len(ids) - size + 1, size):
+            digest = hashlib.sha256(digest + array.array("i", ids[start:start + size]).tobytes()).digest()
+            keys.append(digest)
+        return keys
+
+    def match(self, keys):
+        """The blocks of the longest cached prefix of the chain `keys`, now the most recently used."""
+        found = []
+        for key in keys:
+            block = self.by_key.get(key)
+            if block is None:
+                break
+            self.by_key.move_to_end(key)
+            found.append(block)
+        return found
+
+    def allocate(self, keys):
+        """[(index in keys, block)] to write for the keys not cached yet, evicting the least recently used
+        blocks nobody holds; fewer (or none) when every block is held."""
+        out = []
+        for index, key in enumerate(keys):
+            if key in self.by_key:
+                self.by_key.move_to_end(key)
+                continue
+            block = self.free.pop() if self.free else self.evict()
+            if block is None:
+                break
+            self.by_key[key] = block
+            out.append((index, block))
+        return out
+
+    def evict(self):
+        for key, block in self.by_key.items():
+            if not self.holders[block]:
+                del self.by_key[key]
+                return block
+        return None
+
+    def hold(self, blocks):
+        for block in blocks:
+            self.holders[block] += 1
+
+    def release(self, blocks):
+        for block in blocks:
+            self.holders[block] -= 1
+
+    def used(self):
+        return len(self.by_key)
+
+
 class Engine:
     """Owns the model and its compiled programs. Every row of a decode batch keeps its own position,
     so a request takes a free row as soon as one opens (continuous batching), starts right after its
-    own prompt, and never waits for its neighbours' prompts or max_tokens."""
+    own prompt, and never waits for its neighbours' prompts or max_tokens. With a prefix-cache pool, a
+    prompt's longest cached prefix is copied into its row and only the rest is prefilled."""
 
-    def __init__(self, model, batch_buckets, length_buckets, distribution, tokenizer=None, adapters=None):
-        import inspect
+    def __init__(self, model, batch_buckets, length_buckets, distribution, tokenizer=None, adapters=None,
+                 prefix_blocks=0, block_tokens=16):
         import jax
-        import jax.numpy as jnp
-        import keras
         self.model = model
         if jax.default_backend() == "cpu" and batch_buckets[0] == 1 and any(
                 getattr(layer.dtype_policy, "quantization_mode", None) for layer in model.backbone._flatten_layers()):
@@ -772,112 +1032,36 @@ class Engine:
             self.stop_ids.add(tokenizer.token_to_id("<end_of_turn>"))
         self.variables = model.variables
         self.values = [v.value for v in self.variables]
-        candidates = min(CANDIDATES, model.backbone.vocabulary_size)
-        self.top_logprobs = top_logprobs = min(TOP_LOGPROBS, candidates)
-        build_cache_takes_extras = len(inspect.signature(model._build_cache).parameters) > 1
+        self.top_logprobs = min(TOP_LOGPROBS, CANDIDATES, model.backbone.vocabulary_size)
+        self.axes = cache_position_axes(model)
+        bound = functools.partial
+        self._prefill = jax.jit(bound(prefill, model, self.variables, adapters))
+        self._prefill_after_prefix = jax.jit(bound(prefill_after_prefix, model, self.variables, adapters))
+        self.programs = {batch: self.batch_programs(batch) for batch in batch_buckets}
+        self.prefix = PrefixCache(prefix_blocks, block_tokens) if prefix_blocks else None
+        if self.prefix is not None:
+            if any(length % block_tokens for length in length_buckets):
+                raise LoadError(f"--prefix-block-tokens {block_tokens} must divide every --length-buckets length")
+            self.pool = self.put(jax.tree.map(
+                lambda s, axis: np.zeros((prefix_blocks + 1,) + s.shape[1:axis] + (block_tokens,) + s.shape[axis + 1:],
+                                         s.dtype), cache_shapes(model, 1, 8), self.axes), replicated=True)
+            self.pool_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(self.pool)) * prefix_blocks // (
+                prefix_blocks + 1)
+            self._gather = jax.jit(bound(gather_blocks, self.axes))
+            self._store = jax.jit(bound(store_blocks, self.axes), donate_argnums=(0,))
 
-        def stateless(values, fn):
-            with keras.StatelessScope(state_mapping=list(zip(self.variables, values))):
-                return fn()
-
-        def with_adapter(tables, slot, fn):
-            """fn() with the LoRA of adapter slot `slot` added (a per-row index under vmap)."""
-            if adapters is None:
-                return fn()
-            with adapters.rows(tables, slot):
-                return fn()
-
-        def build_cache(token_ids):
-            if build_cache_takes_extras:  # Gemma 3: (token_ids, img_embeddings, vision_mask, padding_mask, …)
-                return model._build_cache(token_ids, None, None, None, None)[1]
-            return model._build_cache(token_ids)[1]
-
-        # The cache is a family-specific pytree (Gemma: one stacked array; Gemma 3: per-layer tuples).
-        # Which axis of each leaf is the position one is read off abstract shapes, so no layout is assumed.
-        def cache_shapes(batch, length):
-            return jax.eval_shape(build_cache, jax.ShapeDtypeStruct((batch, length), jnp.int32))
-        one, two, longer = cache_shapes(1, 8), cache_shapes(2, 8), cache_shapes(1, 16)
-        if any(a.shape[0] != 1 or b.shape[0] != 2 for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(two))):
-            raise ValueError(f"{type(model).__name__}'s cache is not batch-major; serve.py cannot batch it")
-        position_axes = jax.tree.map(lambda a, b: next(i for i, (m, n) in enumerate(zip(a.shape, b.shape)) if m != n),
-                                     one, longer)
-
-        def prefill(values, token_ids, tables, slot):
-            """A prompt block's cache (one row, block positions); positions past the prompt hold padding
-            that decoding overwrites before any query can see it."""
-            return stateless(values, lambda: with_adapter(tables, slot, lambda: build_cache(token_ids)))
-
-        def insert(cache, row_cache, slot):
-            """Writes a prefilled row into row `slot` of a batch's cache (a select, which splits cleanly
-            along a sharded batch axis)."""
-            def put(big, row, axis):
-                region = jax.lax.slice_in_dim(big, 0, row.shape[axis], axis=axis)
-                is_slot = (jnp.arange(big.shape[0]) == slot).reshape((-1,) + (1,) * (big.ndim - 1))
-                return jax.lax.dynamic_update_slice_in_dim(big, jnp.where(is_slot, row, region), 0, axis=axis)
-            return jax.tree.map(put, cache, row_cache, position_axes)
-
-        def forward(values, cache, tokens, positions, tables, slots):
-            """One token per row, each at its own position and with its own adapter: keras-hub's cached
-            call, vmapped over rows so the write index, causal mask and LoRA slot are per row."""
-            def one_row(row_cache, token, position, slot):
-                row_cache = jax.tree.map(lambda c: c[None], row_cache)
-                logits, _, row_cache = with_adapter(tables, slot, lambda: model.call_with_cache(
-                    token[None, None], row_cache, position))
-                return logits[0, 0], jax.tree.map(lambda c: c[0], row_cache)
-            return stateless(values, lambda: jax.vmap(one_row)(cache, tokens, positions, slots))
-
-        def sample(logits, positions, temperature, top_k, top_p, seeds):
-            logits = logits.astype(jnp.float32)
-            # The barrier keeps top_k's outputs from being fused into their users; otherwise XLA's CPU
-            # backend lowers top_k to a full sort of the vocabulary, several times the model's own cost.
-            top_logits, top_ids = jax.lax.optimization_barrier(jax.lax.top_k(logits, candidates))
-            scaled = top_logits / jnp.maximum(temperature, 1e-6)[:, None]
-            keep = jnp.arange(candidates)[None, :] < top_k[:, None]
-            probs = jax.nn.softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
-            keep &= (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]
-            # Keyed by (seed, position): a seeded request samples the same tokens whatever it is batched with.
-            keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(seeds, positions)
-            choice = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, scaled, -jnp.inf))
-            choice = jnp.where(temperature <= 0, 0, choice)
-            token = jnp.take_along_axis(top_ids, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-            # Log-probabilities of the distribution after temperature (greedy: temperature 1), before
-            # top-k/top-p truncation; always computed, so asking for them never compiles anything.
-            t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
-            top_logprobs_all = top_logits / t - jax.nn.logsumexp(logits / t, axis=-1, keepdims=True)
-            token_logprob = jnp.take_along_axis(top_logprobs_all, choice[:, None], axis=-1)[:, 0]
-            return token, (token_logprob, top_logprobs_all[:, :top_logprobs], top_ids[:, :top_logprobs])
-
-        def decode_chunk(values, cache, window, tokens, positions, tables, slots, *sampling):
-            """DECODE_CHUNK steps per dispatch (the host pays its per-call cost once every few tokens),
-            attending over only the first `window` positions: attention and cache traffic grow with the
-            window, and no row in the batch has got further than it yet."""
-            view = jax.tree.map(lambda c, axis: jax.lax.slice_in_dim(c, 0, window, axis=axis), cache, position_axes)
-
-            def step(carry, offset):
-                view, tokens = carry
-                at = jnp.minimum(positions + offset, window - 1)  # only idle rows get this far
-                logits, view = forward(values, view, tokens, at, tables, slots)
-                tokens, logprobs = sample(logits, at, *sampling)
-                return (view, tokens), (tokens, logprobs)
-            (view, _), (sampled, logprobs) = jax.lax.scan(step, (view, tokens), jnp.arange(DECODE_CHUNK))
-            cache = jax.tree.map(lambda c, v, axis: jax.lax.dynamic_update_slice_in_dim(c, v, 0, axis=axis),
-                                 cache, view, position_axes)
-            return (sampled, logprobs), cache
-
-        def programs(batch):
-            """(new cache, insert, decode) for one batch size. The cache's layout is pinned so that what
-            one program hands back is exactly what the next was compiled for."""
-            shapes = cache_shapes(batch, self.max_length)
-            layout = None if distribution is None else jax.tree.map(
-                lambda s: distribution.get_data_layout(s.shape).backend_layout, shapes)
-            new_cache = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
-                                out_shardings=layout)
-            return (new_cache, jax.jit(insert, donate_argnums=(0,), out_shardings=layout),
-                    jax.jit(decode_chunk, static_argnums=(2,), donate_argnums=(1,),
-                            out_shardings=((None, None), layout)))
-
-        self.programs = {batch: programs(batch) for batch in batch_buckets}
-        self._prefill = jax.jit(prefill)
+    def batch_programs(self, batch):
+        """(new cache, insert, decode) for one batch size. The cache's layout is pinned so that what one
+        program hands back is exactly what the next was compiled for."""
+        import jax
+        import jax.numpy as jnp
+        shapes = cache_shapes(self.model, batch, self.max_length)
+        layout = None if self.distribution is None else jax.tree.map(
+            lambda s: self.distribution.get_data_layout(s.shape).backend_layout, shapes)
+        new_cache = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), out_shardings=layout)
+        decode = functools.partial(decode_chunk, self.model, self.variables, self.adapters, self.axes)
+        return (new_cache, jax.jit(functools.partial(insert, self.axes), donate_argnums=(0,), out_shardings=layout),
+                jax.jit(decode, static_argnums=(2,), donate_argnums=(1,), out_shardings=((None, None), layout)))
 
     @property
     def lora_tables(self):
@@ -902,9 +1086,56 @@ class Engine:
     def window_for(self, length):
         return next((l for l in self.length_buckets if l >= length), self.max_length)
 
+    def tokens(self, ids, length):
+        """ids padded to `length`, as a [1, length] array on the device(s)."""
+        tokens = np.full((1, length), self.pad, np.int32)
+        tokens[0, :len(ids)] = ids
+        return self.put(tokens, replicated=True)
+
+    def prefill_row(self, generation):
+        """The cache row of a generation's prompt: its longest cached prefix copied from the pool and the
+        rest computed after it, or all of it computed. The prompt's new full blocks go into the pool,
+        held (with the ones it reused) until the generation ends. Returns (row cache, cached tokens)."""
+        ids, prefix = generation.prompt_ids, self.prefix
+        tables, slot = self.lora_tables, np.int32(generation.slot)
+        keys, reused, start = [], [], 0
+        if prefix is not None:
+            keys = prefix.keys(ids, 0 if generation.adapter is None else generation.adapter.uid)
+            reused = prefix.match(keys[:(len(ids) - 1) // prefix.block_tokens])  # the last token is always computed
+            # The rest is prefilled in a block after the prefix, and both must fit the cache: near the end of
+            # it, reuse fewer blocks (the block for the rest shrinks with it).
+            while reused and len(reused) * prefix.block_tokens + self.block_for(
+                    len(ids) - len(reused) * prefix.block_tokens) > self.max_length:
+                reused.pop()
+            start = len(reused) * prefix.block_tokens
+        suffix = self.block_for(len(ids) - start)
+        if start:
+            window = self.window_for(start + suffix)
+            row = self._gather(self.pool, np.array(reused + [prefix.scratch] * (window // prefix.block_tokens
+                                                                                 - len(reused)), np.int32))
+            row = self._prefill_after_prefix(self.values, row, self.tokens(ids[start:], suffix), np.int32(start),
+                                             tables, slot)
+        else:
+            row = self._prefill(self.values, self.tokens(ids, suffix), tables, slot)
+        if prefix is not None:
+            first = start // prefix.block_tokens
+            written = [(first + index, block) for index, block in prefix.allocate(keys[first:])]
+            if written:
+                size = cache_length(row, self.axes) // prefix.block_tokens
+                sources = np.zeros(size, np.int32)
+                targets = np.full(size, prefix.scratch, np.int32)
+                sources[:len(written)], targets[:len(written)] = zip(*written)
+                self.pool = self._store(self.pool, row, sources, targets)
+            held = reused + [block for _, block in written]
+            prefix.hold(held)
+            generation.releases.append(functools.partial(prefix.release, held))
+        return row, start
+
     def warm_up(self):
         """Compiles every program once, so requests never compile: per batch size, decode over each
-        window and an insert for each prompt block; per prompt block, a prefill."""
+        window and an insert for each prompt block; per prompt block, a prefill; with a prefix cache,
+        per window a gather and a prefill after each prefix length that fits, per block a pool write."""
+        prefix, self.prefix = self.prefix, None  # warm-up prompts must take the plain prefill, every block of it
         for batch in self.batch_buckets:
             started = time.time()
             # The longest prompt that leaves room for one new token is prefilled in the largest block.
@@ -915,9 +1146,24 @@ class Engine:
                 decoding.step(window)
             log(f"warm-up: batch {batch}: compiled decode over windows {','.join(map(str, self.length_buckets))}"
                 f" and prompt blocks {','.join(map(str, self.prompt_blocks))} in {time.time() - started:.1f}s")
+        self.prefix = prefix
+        if self.prefix is not None:
+            started, size = time.time(), self.prefix.block_tokens
+            scratch = self.prefix.scratch
+            for length in self.prompt_blocks:
+                row = self._prefill(self.values, self.tokens([self.bos], length), self.lora_tables, np.int32(0))
+                self.pool = self._store(self.pool, row, np.zeros(length // size, np.int32),
+                                        np.full(length // size, scratch, np.int32))
+                if length in self.length_buckets:
+                    row = self._gather(self.pool, np.full(length // size, scratch, np.int32))
+                    for suffix in (s for s in self.prompt_blocks if s <= length - size):
+                        self._prefill_after_prefix(self.values, row, self.tokens([self.bos], suffix), np.int32(size),
+                                                   self.lora_tables, np.int32(0))
+            log(f"warm-up: prefix cache of {self.prefix.blocks} blocks of {size} tokens "
+                f"({self.pool_bytes / 2**20:,.1f} MiB): compiled its copies and the prefills after a prefix in "
+                f"{time.time() - started:.1f}s")
         if self.adapters is not None:  # the slot update adapters are loaded with, on a copy (the tables stay)
             import jax
-            import numpy as np
             slots = self.adapters
             empty = jax.tree.map(lambda t: np.zeros(t.shape[1:], t.dtype), slots.tables)
             slots._write(slots.tables, np.int32(0), slots.put(empty))
@@ -936,12 +1182,18 @@ class Engine:
         return decoding
 
 
+def cache_length(cache, axes):
+    """The number of positions a cache holds."""
+    import jax
+    leaf, axis = jax.tree.leaves(cache)[0], jax.tree.leaves(axes)[0]
+    return leaf.shape[axis]
+
+
 class DecodeBatch:
     """`size` rows over one cache. Each row holds one generation at its own position; a row frees up
     the moment its generation ends and can take the next one."""
 
     def __init__(self, engine, size):
-        import numpy as np
         self.engine, self.size, self.length = engine, size, engine.max_length
         self.new_cache, self.insert, self.decode = engine.programs[size]
         self.cache = self.new_cache()
@@ -966,16 +1218,12 @@ class DecodeBatch:
 
     def admit(self, generation):
         """Prefills the prompt into a free row; the row's first decode step re-reads its last prompt token."""
-        import numpy as np
-        engine, ids = self.engine, generation.prompt_ids
+        ids = generation.prompt_ids
         row = self.rows.index(None)
         self.rows[row] = generation
         generation.started = time.time()
-        tokens = np.full((1, engine.block_for(len(ids))), engine.pad, np.int32)
-        tokens[0, :len(ids)] = ids
         self.slots[row] = generation.slot
-        row_cache = engine._prefill(engine.values, engine.put(tokens, replicated=True), engine.lora_tables,
-                                    np.int32(generation.slot))
+        row_cache, generation.cached_tokens = self.engine.prefill_row(generation)
         self.cache = self.insert(self.cache, row_cache, np.int32(row))
         self.positions[row], self.tokens[row] = len(ids) - 1, ids[-1]
         sampling = generation.sampling
@@ -986,7 +1234,6 @@ class DecodeBatch:
 
     def step(self, window=None):
         """Decodes DECODE_CHUNK tokens in every row and hands each generation its own."""
-        import numpy as np
         engine = self.engine
         if self.sampling is None:
             self.sampling = [engine.put(a) for a in (self.slots, self.temperature, self.top_k, self.top_p, self.seeds)]
@@ -1027,14 +1274,18 @@ class DecodeBatch:
             self.rows[row] = None
 
 
+# ----------------------------------------------------------------------------- scheduler
+# Requests become Generations, queue at the Worker, and take rows of its decode batch as they free.
+
 class Generation:
     """One prompt being decoded: collects tokens, applies stops, reports events for streaming."""
 
     def __init__(self, prompt_ids, max_tokens, sampling, seed, stop, events, index=0, logprobs=None):
         self.prompt_ids, self.max_tokens, self.sampling, self.seed = prompt_ids, max_tokens, sampling, seed
-        # The LoRA adapter it decodes with (None: the base) and its slot; release() hands the slot back
-        # when it ends. start_generations() sets them.
-        self.adapter, self.slot, self.release = None, 0, None
+        # The LoRA adapter it decodes with (None: the base) and its slot (start_generations() sets them);
+        # `releases` hand back what it holds (its adapter slot, its prefix-cache blocks) when it ends.
+        self.adapter, self.slot, self.releases = None, 0, []
+        self.cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
         self.model = None  # the name it was asked for, for per-model metrics
         self.stop, self.events, self.index = stop, events, index
         self.ids, self.text, self.sent, self.finish_reason = [], "", 0, None
@@ -1095,9 +1346,7 @@ class Generation:
         if reason == "cancelled":
             METRICS.add("cancelled")
         self.finish_reason = reason
-        release, self.release = self.release, None
-        if release is not None:
-            release()
+        release_all([self])
         self.emit(final=True)
         self.done.set()
         return True
@@ -1326,7 +1575,7 @@ def completions(server, req):
     logprobs = body.get("logprobs")
     if logprobs is not None and (not is_int(logprobs) or not 0 <= logprobs <= 5):
         raise RequestError(400, "'logprobs' must be an integer from 0 to 5")
-    stream, _ = parse_stream(body)
+    stream, include_usage = parse_stream(body)
     base = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
             "model": pick_model(server, body)[0]}
     if stream:
@@ -1340,7 +1589,8 @@ def completions(server, req):
             return [base | {"choices": [{"text": text, "index": index, "logprobs": rendered,
                                          "finish_reason": reason}]}]
         gens = start_generations(server, req, prompts, body, default_max_tokens=16, events=events, logprobs=logprobs)
-        return Reply(stream=stream_events(gens, events, render))
+        return Reply(stream=stream_events(gens, events, render, last=(lambda: base | {"choices": [], "usage": usage(
+            gens)}) if include_usage else None))
     gens = wait_for(start_generations(server, req, prompts, body, default_max_tokens=16, logprobs=logprobs), req)
     return Reply(payload=base | {
         "choices": [{"text": g.text, "index": i, "finish_reason": g.finish_reason,
@@ -1465,7 +1715,8 @@ _SAMPLING = {"temperature": {"type": "number", "minimum": 0, "maximum": 2},
              "stop": {"oneOf": [_STR, {"type": "array", "items": _STR, "maxItems": 4}, {"type": "null"}]},
              "max_tokens": {"type": "integer", "minimum": 1}, "model": _STR}
 _USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-          "properties": {"prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT}}
+          "properties": {"prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT,
+                         "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": _INT}}}}
 _FINISH = {"type": ["string", "null"], "enum": ["stop", "length", None]}
 _TOKEN_LOGPROB = {"type": "object", "required": ["token", "logprob", "bytes"],
                   "properties": {"token": _STR, "logprob": _NUM, "bytes": {"type": "array", "items": _INT}}}
@@ -1510,7 +1761,8 @@ OPENAPI = {
                                     "text_offset": {"type": "array", "items": _INT}}}}}}}},
             {"type": "object", "required": ["prompt"], "properties": {
                 "prompt": {"oneOf": [_STR, {"type": "array", "items": _STR, "minItems": 1}]},
-                "stream": _BOOL, "n": {"const": 1}, "logprobs": {"type": ["integer", "null"], "minimum": 0,
+                "stream": _BOOL, "stream_options": {"type": ["object", "null"], "properties": {"include_usage": _BOOL}},
+                "n": {"const": 1}, "logprobs": {"type": ["integer", "null"], "minimum": 0,
                                                                  "maximum": 5},
                 "echo": {"const": False}, **_SAMPLING}},
             stream=True)},
@@ -1763,9 +2015,11 @@ def completion_logprobs(engine, entries, offset=0):
 
 
 def usage(gens):
+    """OpenAI's usage, with the prompt tokens served from the prefix cache as prompt_tokens_details."""
     prompt_tokens, completion_tokens = sum(len(g.prompt_ids) - 1 for g in gens), sum(len(g.ids) for g in gens)
+    cached = sum(max(g.cached_tokens - 1, 0) for g in gens)  # <bos> is not a prompt token here either
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def parse_sampling(body, sampler, server):
@@ -1832,7 +2086,8 @@ def start_generations(server, req, prompts, body, default_max_tokens, events=Non
                 release_all(gens)
                 raise RequestError(404, f"the model '{model}' was just unloaded", "not_found_error",
                                    code="model_not_found")
-            g.slot, g.release = g.adapter.slot, functools.partial(server.adapters.release, g.adapter)
+            g.slot = g.adapter.slot
+            g.releases.append(functools.partial(server.adapters.release, g.adapter))
     try:
         server.worker.submit(gens)
     except QueueFull:
@@ -1845,8 +2100,8 @@ def start_generations(server, req, prompts, body, default_max_tokens, events=Non
 
 def release_all(gens):
     for g in gens:
-        release, g.release = g.release, None
-        if release is not None:
+        releases, g.releases = g.releases, []
+        for release in releases:
             release()
 
 
@@ -2103,6 +2358,7 @@ class Handler(BaseHTTPRequestHandler):
         if generating:
             counts = usage(self.generations)
             METRICS.add("prompt_tokens", counts["prompt_tokens"])
+            METRICS.add("cached_prompt_tokens", counts["prompt_tokens_details"]["cached_tokens"])
             METRICS.add("generated_tokens", counts["completion_tokens"])
             METRICS.observe_model(self.generations[0].model, counts["completion_tokens"])
         if generating or (status >= 400 and path != "/health"):
@@ -2134,7 +2390,8 @@ class Handler(BaseHTTPRequestHandler):
             prompt_tokens, completion_tokens = counts["prompt_tokens"], counts["completion_tokens"]
             queue_wait = max((g.started or time.time()) - g.enqueued for g in gens)
             reasons = ",".join(sorted({g.finish_reason or "cancelled" for g in gens}))
-            line += (f" prompt={prompt_tokens} completion={completion_tokens} queue={queue_wait * 1000:.0f}ms "
+            line += (f" prompt={prompt_tokens} cached={counts['prompt_tokens_details']['cached_tokens']} "
+                     f"completion={completion_tokens} queue={queue_wait * 1000:.0f}ms "
                      f"{completion_tokens / max(elapsed, 1e-9):.1f} tok/s finish={reasons}")
         log(line)
 
@@ -2338,7 +2595,11 @@ def load(server):
         server.state = "warming"
         server.adapters = adapter_slots_for(server, model, distribution)
         engine = Engine(model, batch_buckets(args.max_batch_size, batch_axis), args.length_buckets, distribution,
-                        adapters=server.adapters)
+                        adapters=server.adapters, prefix_blocks=args.prefix_cache_blocks,
+                        block_tokens=args.prefix_block_tokens)
+        if engine.prefix is not None:
+            METRICS.prefix_bytes, METRICS.prefix_blocks = engine.pool_bytes, engine.prefix.blocks
+            METRICS.prefix_used = engine.prefix.used
         started = time.time()
         engine.warm_up()
         log(f"warm-up: {len(engine.batch_buckets)} batch sizes x {len(engine.length_buckets)} windows, "

@@ -1,0 +1,235 @@
+"""Automatic prefix caching in serve.py, and the engine's steps called one by one."""
+import concurrent.futures
+import json
+import urllib.request
+
+import numpy as np
+import pytest
+
+import serve
+from conftest import SERVE_FLAGS, http
+
+# ----------------------------------------------------------------------------- steps alone
+
+
+def test_sample_on_hand_made_logits():
+    logits = np.log(np.array([[0.1, 0.6, 0.3, 1e-9], [0.25, 0.25, 0.4, 0.1]], np.float32))
+    n = len(logits)
+    token, (logprob, top_logprobs, top_ids) = serve.sample(
+        logits, np.zeros(n, np.int32), np.zeros(n, np.float32), np.full(n, 128, np.int32), np.ones(n, np.float32),
+        np.zeros(n, np.uint32))
+    assert token.tolist() == [1, 2]  # greedy: the most likely
+    np.testing.assert_allclose(logprob, np.log([0.6, 0.4]), rtol=1e-5)
+    assert top_ids[:, :2].tolist() == [[1, 2], [2, 0]] or top_ids[:, :2].tolist() == [[1, 2], [2, 1]]
+    np.testing.assert_allclose(top_logprobs[0, :3], np.log([0.6, 0.3, 0.1]), rtol=1e-5)
+    # top_k 1 makes sampling greedy whatever the temperature; top_p keeps just the head of the distribution.
+    for top_k, top_p in ((1, 1.0), (128, 0.5)):
+        sampled, _ = serve.sample(logits, np.arange(n, dtype=np.int32), np.ones(n, np.float32),
+                                  np.full(n, top_k, np.int32), np.full(n, top_p, np.float32),
+                                  np.arange(n, dtype=np.uint32))
+        assert sampled.tolist() == [1, 2]
+
+
+def test_insert_writes_one_row_of_a_hand_made_cache():
+    cache = (np.zeros((3, 8, 1, 2), np.float32), np.zeros((3, 8, 1, 2), np.float32))  # Gemma 3: (batch, length, …)
+    row = (np.ones((1, 4, 1, 2), np.float32), np.full((1, 4, 1, 2), 2.0, np.float32))
+    out = serve.insert((1, 1), cache, row, 1)
+    assert np.asarray(out[0])[1, :4].min() == 1 and np.asarray(out[1])[1, :4].min() == 2
+    assert np.asarray(out[0])[[0, 2]].max() == 0 and np.asarray(out[0])[1, 4:].max() == 0
+
+
+@pytest.mark.parametrize("axis, shape", [(1, (1, 32, 2, 3)),           # Gemma 3: per-layer (batch, length, heads, dim)
+                                         (3, (1, 2, 2, 32, 1, 3))])    # Gemma 1/2: (batch, layers, 2, length, …)
+def test_pool_blocks_store_and_gather_back_exactly(axis, shape):
+    rng = np.random.default_rng(0)
+    row = rng.standard_normal(shape).astype(np.float32)
+    block = 8
+    pool_shape = (5,) + shape[1:axis] + (block,) + shape[axis + 1:]  # 4 blocks + scratch
+    pool = np.zeros(pool_shape, np.float32)
+    # Row blocks 0, 1, 2 into pool blocks 3, 0, 2; the fourth pair writes to the scratch block (4).
+    pool = serve.store_blocks(axis, pool, row, np.array([0, 1, 2, 0]), np.array([3, 0, 2, 4]))
+    gathered = np.asarray(serve.gather_blocks(axis, pool, np.array([3, 0, 2, 4])))
+    assert gathered.shape == shape
+    np.testing.assert_array_equal(np.take(gathered, range(24), axis=axis), np.take(row, range(24), axis=axis))
+
+
+def test_hash_chains_match_whole_blocks_of_the_same_tokens_and_adapter():
+    cache = serve.PrefixCache(blocks=8, block_tokens=4)
+    ids = list(range(100, 111))  # 11 tokens: 2 full blocks
+    keys = cache.keys(ids, adapter=0)
+    assert len(keys) == 2 and cache.match(keys) == []
+    written = cache.allocate(keys)
+    assert [index for index, _ in written] == [0, 1]
+    assert cache.match(cache.keys(ids[:8] + [7, 7, 7, 7], 0)) == [b for _, b in written]  # shares both blocks
+    assert cache.match(cache.keys(ids[:6], 0)) == [written[0][1]]  # a partial block is never matched
+    assert cache.match(cache.keys([99] + ids[1:], 0)) == []  # a change early breaks the whole chain
+    assert cache.match(cache.keys(ids, adapter=3)) == []  # another adapter's K/V are other K/V
+    assert cache.allocate(keys) == []  # cached already: nothing to write
+
+
+def test_eviction_takes_the_least_recently_used_and_never_a_held_block():
+    cache = serve.PrefixCache(blocks=3, block_tokens=2)
+    a, b, c, d = ([i, i] for i in (1, 2, 3, 4))
+    blocks = {name: cache.allocate(cache.keys(ids, 0))[0][1] for name, ids in (("a", a), ("b", b), ("c", c))}
+    cache.hold([blocks["a"]])
+    cache.match(cache.keys(b, 0))  # b is now more recently used than c
+    [(_, reused)] = cache.allocate(cache.keys(d, 0))  # full: evicts c (a is held, b was used later)
+    assert reused == blocks["c"] and cache.match(cache.keys(c, 0)) == []
+    assert cache.match(cache.keys(a, 0)) == [blocks["a"]]
+    cache.hold([blocks["b"], reused])
+    assert cache.allocate(cache.keys([9, 9], 0)) == []  # every block held: nothing stored, nothing broken
+    cache.release([blocks["a"]])
+    assert cache.allocate(cache.keys([9, 9], 0)) == [(0, blocks["a"])]
+
+
+@pytest.fixture(scope="module")
+def engine(trained_model):
+    model, _, _ = serve.load_model(serve.parse_args(["--model", str(trained_model)]))
+    return serve.Engine(model, [1, 2], [64, 128], None, prefix_blocks=16, block_tokens=16)
+
+
+def greedy_rows(engine, prompts, max_tokens=8):
+    rows = [serve.Generation(p, max_tokens, serve.SAMPLER_DEFAULTS["greedy"], 0, [], None, logprobs=0)
+            for p in prompts]
+    engine.generate(rows, len(rows))
+    return rows
+
+
+def test_a_cached_prefix_gives_the_same_cache_and_tokens_as_computing_it(engine):
+    prompt = [engine.bos] + list(range(40, 80))  # 41 tokens: 2 full blocks of 16
+    first, = greedy_rows(engine, [prompt])
+    assert first.cached_tokens == 0 and engine.prefix.used() == 2
+    again, = greedy_rows(engine, [prompt])
+    assert again.cached_tokens == 32  # both full blocks; the last 9 tokens are computed
+    assert again.ids == first.ids
+    np.testing.assert_allclose([lp for _, lp, _ in again.token_logprobs], [lp for _, lp, _ in first.token_logprobs],
+                               atol=1e-4)
+    row = serve.Generation(prompt, 1, serve.SAMPLER_DEFAULTS["greedy"], 0, [], None)
+    cached_row, start = engine.prefill_row(row)
+    plain = engine._prefill(engine.values, engine.tokens(prompt, 64), engine.lora_tables, np.int32(0))
+    assert start == 32
+    import jax
+    for c, p, axis in zip(jax.tree.leaves(cached_row), jax.tree.leaves(plain), jax.tree.leaves(engine.axes)):
+        np.testing.assert_allclose(np.take(c, range(41), axis), np.take(p, range(41), axis), atol=1e-5)
+    serve.release_all([row])
+
+
+# ----------------------------------------------------------------------------- over HTTP
+
+@pytest.fixture(scope="module")
+def nocache_server(trained_model, start_server):
+    return start_server(trained_model, *SERVE_FLAGS, "--prefix-cache-blocks", "0")
+
+
+@pytest.fixture(scope="module")
+def small_pool_server(trained_model, start_server):
+    """A pool of 6 blocks: every long prompt evicts the last one's."""
+    return start_server(trained_model, *SERVE_FLAGS, "--prefix-cache-blocks", "6")
+
+
+SYSTEM = "You answer questions about rivers, canals and the towns along them, briefly and kindly. " * 3
+QUESTIONS = ["Name a fruit.", "What is 2 plus 2?", "Spell 'plum' backwards.", "Say hi.", "Name a colour."]
+
+
+def ask(server, question, system=SYSTEM, **extra):
+    body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+            "max_tokens": 8, "temperature": 0, "logprobs": True} | extra
+    status, answer, _ = http("POST", server.url + "/v1/chat/completions", body)
+    assert status == 200, answer
+    return answer
+
+
+def same_answer(a, b):
+    assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+    np.testing.assert_allclose([t["logprob"] for t in a["choices"][0]["logprobs"]["content"]],
+                               [t["logprob"] for t in b["choices"][0]["logprobs"]["content"]], atol=1e-4)
+
+
+def test_cache_on_and_off_answer_alike_and_usage_counts_cached_tokens(tiny_server, nocache_server):
+    compiled = tiny_server.metric("serve_compilations_total")
+    cached_before = tiny_server.metric("serve_cached_prompt_tokens_total")
+    reference = [ask(nocache_server, q) for q in QUESTIONS]
+    assert all(r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 for r in reference)
+    first = ask(tiny_server, QUESTIONS[0])
+    # The system prompt's blocks are reused by every later question, alone and in a batch.
+    alone = [ask(tiny_server, q) for q in QUESTIONS]
+    with concurrent.futures.ThreadPoolExecutor(len(QUESTIONS)) as pool:
+        batched = list(pool.map(lambda q: ask(tiny_server, q), QUESTIONS))
+    for got in (alone, batched):
+        for answer, want in zip(got, reference):
+            same_answer(answer, want)
+            details = answer["usage"]["prompt_tokens_details"]
+            assert details["cached_tokens"] >= answer["usage"]["prompt_tokens"] - 30, answer["usage"]
+    same_answer(first, reference[0])
+    assert tiny_server.metric("serve_cached_prompt_tokens_total") > cached_before
+    assert tiny_server.metric("serve_compilations_total") == compiled
+    text = http("GET", tiny_server.url + "/metrics")[1]
+    assert "serve_prefix_cache_bytes " in text and 'serve_prefix_cache_blocks{state="used"}' in text
+    assert tiny_server.metric("serve_prefix_cache_bytes") > 0
+    assert "prefix cache of" in tiny_server.output()
+
+
+def test_streaming_and_completions_hit_the_cache_with_the_same_text(tiny_server, nocache_server):
+    prompt = "Instruction:\n" + SYSTEM + "\n\nResponse:\n"
+    for _ in range(2):  # the second time from the cache
+        request = urllib.request.Request(tiny_server.url + "/v1/completions", method="POST", headers={
+            "Content-Type": "application/json"}, data=json.dumps({
+                "prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}).encode())
+        with urllib.request.urlopen(request, timeout=60) as response:
+            chunks = [json.loads(e[6:]) for e in response.read().decode().split("\n\n") if e and e != "data: [DONE]"]
+        text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    plain = http("POST", nocache_server.url + "/v1/completions", {"prompt": prompt, "max_tokens": 8,
+                                                                   "temperature": 0})[1]
+    assert text == plain["choices"][0]["text"]
+    assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert "cached=" in tiny_server.output()
+
+
+def test_a_small_pool_evicts_and_keeps_answering_alike(small_pool_server, nocache_server):
+    systems = [f"Context {i}: " + SYSTEM for i in range(4)]  # 7 blocks each: the pool holds at most one
+    for _ in range(2):
+        for system in systems:
+            same_answer(ask(small_pool_server, "Say hi.", system), ask(nocache_server, "Say hi.", system))
+    assert small_pool_server.metric("serve_prefix_cache_blocks", labels='state="used"') <= 6
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:  # held blocks and a full pool under load
+        answers = list(pool.map(lambda i: ask(small_pool_server, QUESTIONS[i % 5], systems[i % 4]), range(8)))
+    for i, answer in enumerate(answers):
+        same_answer(answer, ask(nocache_server, QUESTIONS[i % 5], systems[i % 4]))
+
+
+def test_adapters_never_share_cached_blocks_with_the_base(adapter_server):
+    prompt = "<start_of_turn>user\nQuestion 9: is the sky blue today?<end_of_turn>\n<start_of_turn>model\n"
+
+    def complete(model=None):
+        body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 1}
+        status, answer, _ = http("POST", adapter_server.url + "/v1/completions", body | ({"model": model} if model else {}))
+        assert status == 200, answer
+        return answer
+    base = complete()
+    yes = complete("yes")  # the base computed these blocks, but the adapter changes K and V
+    assert yes["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    yes_again, base_again = complete("yes"), complete()
+    assert yes_again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    for a, b in ((yes, yes_again), (base, base_again)):
+        assert a["choices"][0]["text"] == b["choices"][0]["text"]
+        np.testing.assert_allclose(a["choices"][0]["logprobs"]["token_logprobs"],
+                                   b["choices"][0]["logprobs"]["token_logprobs"], atol=1e-4)
+    assert yes["choices"][0]["text"] != base["choices"][0]["text"]
+
+
+def test_near_the_end_of_the_cache_fewer_blocks_are_reused_so_the_rest_fits(engine):
+    """Length 128, blocks 16: with 5 blocks (80 tokens) reused, the 45 left would need a 64-token block
+    (80 + 64 > 128), so 4 are reused and the rest is one 64-token block."""
+    first = [engine.bos] + list(range(100, 189))  # 90 tokens: 5 full blocks stored
+    greedy_rows(engine, [first], max_tokens=1)
+    second = first[:80] + list(range(300, 345))  # 125 tokens
+    [cached] = greedy_rows(engine, [second], max_tokens=2)
+    assert cached.cached_tokens == 64
+    engine_off = engine.prefix
+    engine.prefix = None
+    try:
+        [plain] = greedy_rows(engine, [second], max_tokens=2)
+    finally:
+        engine.prefix = engine_off
+    assert cached.ids == plain.ids
