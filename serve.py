@@ -177,6 +177,7 @@ class Metrics:
         self.latency_sum = 0.0
         self.prompt_tokens = self.generated_tokens = self.compilations = self.cancelled = 0
         self.cached_prompt_tokens = self.prefix_bytes = self.prefix_blocks = 0
+        self.grammar_masks, self.grammar_mask_seconds = 0, 0.0  # masks computed, host time computing them
         self.prefix_used = lambda: 0
         self.refused_connections = self.idle_closed = 0
         self.weight_bytes, self.weights = 0, {}  # weights: labels of serve_model_info
@@ -201,6 +202,11 @@ class Metrics:
             requests, tokens = self.models.get(name, (0, 0))
             self.models[name] = (requests + 1, tokens + generated)
 
+    def observe_masks(self, count, seconds):
+        with self.lock:
+            self.grammar_masks += count
+            self.grammar_mask_seconds += seconds
+
     def observe_batch(self, size):
         with self.lock:
             self.batch_sizes[size] = self.batch_sizes.get(size, 0) + 1
@@ -224,6 +230,12 @@ class Metrics:
                       "# HELP serve_cached_prompt_tokens_total Prompt tokens whose KV came from the prefix cache.",
                       "# TYPE serve_cached_prompt_tokens_total counter",
                       f"serve_cached_prompt_tokens_total {self.cached_prompt_tokens}",
+                      "# HELP serve_grammar_masks_total Token masks computed for structured output (one per "
+                      "constrained row and token).",
+                      "# TYPE serve_grammar_masks_total counter", f"serve_grammar_masks_total {self.grammar_masks}",
+                      "# HELP serve_grammar_mask_seconds_total Host time spent computing them.",
+                      "# TYPE serve_grammar_mask_seconds_total counter",
+                      f"serve_grammar_mask_seconds_total {self.grammar_mask_seconds}",
                       "# HELP serve_prefix_cache_bytes Device memory of the prefix-cache pool.",
                       "# TYPE serve_prefix_cache_bytes gauge", f"serve_prefix_cache_bytes {self.prefix_bytes}",
                       "# HELP serve_prefix_cache_blocks Prefix-cache blocks, by whether they hold a prefix.",
@@ -432,6 +444,47 @@ def layout_map_for(preset, mesh, model_axis):
         layout_map["decoder_block.*attention.*query.kernel"] = spec
         layout_map["decoder_block.*attention.*(key|value).kernel"] = (None,) + tuple(spec.axes[1:])
     return layout_map
+
+
+# Pieces that mark structure (chat turns, images, placeholders), never text a grammar may spell out.
+MARKER_PIECES = re.compile(r"<(start|end)_of_(turn|image)>|<mask>|\[multimodal\]|<image_soft_token>|<unused\d+>")
+
+
+def grammar_tokenizer(tokenizer, vocabulary_size, stop_ids):
+    """llguidance's view of a SentencePiece vocabulary, for structured output: '▁' is a space, '<0xNN>' one
+    raw byte, control pieces, chat/image markers and the stop tokens are special (never text), and the
+    stop tokens end a finished grammar. None for a tokenizer that is not SentencePiece."""
+    proto = getattr(tokenizer, "proto", None)
+    if proto is None:
+        return None
+    import llguidance
+    import sentencepiece
+    from sentencepiece import sentencepiece_model_pb2
+    if isinstance(proto, (str, os.PathLike)):
+        proto = Path(proto).read_bytes()
+    pieces = sentencepiece_model_pb2.ModelProto.FromString(proto).pieces
+    sp = sentencepiece.SentencePieceProcessor(model_proto=proto)
+
+    class Vocabulary:  # the attributes and call llguidance.TokenizerWrapper reads
+        eos_token_id, bos_token_id = min(stop_ids), tokenizer.start_token_id
+        tokens, special_token_ids = [], []
+
+        def __call__(self, text):
+            return sp.encode(text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text)
+    vocabulary = Vocabulary()
+    for i, piece in enumerate(pieces):
+        # SentencePiece piece types: 2 unknown, 3 control, 5 unused, 6 byte; 4 (user-defined) is text too,
+        # as Gemma's newline and space runs and HTML tags are.
+        if piece.type in (2, 3, 5) or i in stop_ids or MARKER_PIECES.fullmatch(piece.piece):
+            vocabulary.tokens.append(b"\xff" + piece.piece.encode())
+            vocabulary.special_token_ids.append(i)
+        elif piece.type == 6:
+            vocabulary.tokens.append(bytes([int(piece.piece[3:5], 16)]))
+        else:
+            vocabulary.tokens.append(piece.piece.replace("\u2581", " ").encode())
+    vocabulary.tokens += [b""] * (vocabulary_size - len(vocabulary.tokens))
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(vocabulary), n_vocab=vocabulary_size,
+                                  eos_token=sorted(stop_ids))
 
 
 def read_prompt_template(model_dir, vocabulary):
@@ -888,11 +941,22 @@ def sample(logits, positions, temperature, top_k, top_p, seeds):
     return token, (token_logprob, top_logprobs_all[:, :keep_top], top_ids[:, :keep_top])
 
 
-def decode_chunk(model, variables, adapters, axes, values, cache, window, tokens, positions, tables, slots,
-                 *sampling):
-    """DECODE_CHUNK steps per dispatch (the host pays its per-call cost once every few tokens), attending
-    over only the first `window` positions: attention and cache traffic grow with the window, and no
-    row in the batch has got further than it yet."""
+def apply_token_mask(logits, masks):
+    """-inf for the tokens a row's grammar forbids: masks is llguidance's [batch, ceil(vocab/32)] int32
+    bitmask, bit i of word w allowing token 32w + i (all ones for a free row)."""
+    import jax.numpy as jnp
+    bits = (masks[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    allowed = bits.reshape(masks.shape[0], -1)[:, :logits.shape[-1]].astype(bool)
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
+def decode_chunk(model, variables, adapters, axes, values, cache, window, steps, masks, tokens, positions, tables,
+                 slots, *sampling):
+    """`steps` tokens per dispatch (the host pays its per-call cost once every few tokens), attending over
+    only the first `window` positions: attention and cache traffic grow with the window, and no row in
+    the batch has got further than it yet. With grammar `masks` (None: no row has a grammar) the step is
+    one token: the next mask depends on the token just sampled. The mask applies before top-k,
+    temperature and top-p, so every sampler and the log-probabilities keep to the grammar."""
     import jax
     import jax.numpy as jnp
     view = jax.tree.map(lambda c, axis: jax.lax.slice_in_dim(c, 0, window, axis=axis), cache, axes)
@@ -901,9 +965,11 @@ def decode_chunk(model, variables, adapters, axes, values, cache, window, tokens
         view, tokens = carry
         at = jnp.minimum(positions + offset, window - 1)  # only idle rows get this far
         logits, view = forward(model, variables, adapters, values, view, tokens, at, tables, slots)
+        if masks is not None:
+            logits = apply_token_mask(logits, masks)
         tokens, logprobs = sample(logits, at, *sampling)
         return (view, tokens), (tokens, logprobs)
-    (view, _), (sampled, logprobs) = jax.lax.scan(step, (view, tokens), jnp.arange(DECODE_CHUNK))
+    (view, _), (sampled, logprobs) = jax.lax.scan(step, (view, tokens), jnp.arange(steps))
     cache = jax.tree.map(lambda c, v, axis: jax.lax.dynamic_update_slice_in_dim(c, v, 0, axis=axis),
                          cache, view, axes)
     return (sampled, logprobs), cache
@@ -1061,7 +1127,7 @@ class Engine:
         new_cache = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), out_shardings=layout)
         decode = functools.partial(decode_chunk, self.model, self.variables, self.adapters, self.axes)
         return (new_cache, jax.jit(functools.partial(insert, self.axes), donate_argnums=(0,), out_shardings=layout),
-                jax.jit(decode, static_argnums=(2,), donate_argnums=(1,), out_shardings=((None, None), layout)))
+                jax.jit(decode, static_argnums=(2, 3), donate_argnums=(1,), out_shardings=((None, None), layout)))
 
     @property
     def lora_tables(self):
@@ -1133,8 +1199,9 @@ class Engine:
 
     def warm_up(self):
         """Compiles every program once, so requests never compile: per batch size, decode over each
-        window and an insert for each prompt block; per prompt block, a prefill; with a prefix cache,
-        per window a gather and a prefill after each prefix length that fits, per block a pool write."""
+        window (a chunk of DECODE_CHUNK tokens, and one masked token for grammars) and an insert for
+        each prompt block; per prompt block, a prefill; with a prefix cache, per window a gather and a
+        prefill after each prefix length that fits, per block a pool write."""
         prefix, self.prefix = self.prefix, None  # warm-up prompts must take the plain prefill, every block of it
         for batch in self.batch_buckets:
             started = time.time()
@@ -1144,6 +1211,7 @@ class Engine:
             decoding = self.generate(rows, batch)
             for window in self.length_buckets:
                 decoding.step(window)
+                decoding.step(window, masked=True)
             log(f"warm-up: batch {batch}: compiled decode over windows {','.join(map(str, self.length_buckets))}"
                 f" and prompt blocks {','.join(map(str, self.prompt_blocks))} in {time.time() - started:.1f}s")
         self.prefix = prefix
@@ -1207,6 +1275,10 @@ class DecodeBatch:
         self.seeds = np.zeros(size, np.uint32)
         self.slots = np.zeros(size, np.int32)  # each row's adapter slot (0: the base alone)
         self.sampling = None  # the arrays above on the device; re-sent when a row changes hands
+        self.masks = np.full((size, -(-engine.vocabulary_size // 32)), -1, np.int32)  # grammar bitmasks
+        # A streamed request's first token is sent after the step that samples it: the dispatch after it is
+        # admitted is one token long (the one-token program grammars use, every token allowed), not four.
+        self.first_token_due = False
 
     @property
     def free_rows(self):
@@ -1231,24 +1303,45 @@ class DecodeBatch:
                                                                    sampling["top_p"])
         self.seeds[row] = generation.seed
         self.sampling = None
+        self.first_token_due |= generation.events is not None
 
-    def step(self, window=None):
-        """Decodes DECODE_CHUNK tokens in every row and hands each generation its own."""
+    def fill_masks(self):
+        """Each grammar row's mask for its next token (llguidance, on the host); False when no row has a
+        grammar. Free rows and rows without one allow every token."""
+        constrained = [(row, g.matcher) for row, g in enumerate(self.rows) if g is not None and g.matcher is not None]
+        if not constrained:
+            return False
+        import llguidance.numpy
+        started = time.time()
+        self.masks.fill(-1)
+        for row, matcher in constrained:
+            llguidance.numpy.fill_next_token_bitmask(matcher, self.masks, row)
+        METRICS.observe_masks(len(constrained), time.time() - started)
+        return True
+
+    def step(self, window=None, masked=False):
+        """Decodes DECODE_CHUNK tokens in every row (one, under a grammar mask, when a row has a grammar or
+        a streamed request waits for its first token) and hands each generation its own."""
         engine = self.engine
+        masked = self.fill_masks() or masked or self.first_token_due
+        self.first_token_due = False
+        steps = 1 if masked else DECODE_CHUNK
         if self.sampling is None:
             self.sampling = [engine.put(a) for a in (self.slots, self.temperature, self.top_k, self.top_p, self.seeds)]
         if window is None:
             busy = [self.positions[row] for row, g in enumerate(self.rows) if g is not None]
-            window = engine.window_for(max(busy, default=0) + DECODE_CHUNK)
-        (sampled, logprobs), self.cache = self.decode(engine.values, self.cache, window, engine.put(self.tokens),
-                                                      engine.put(self.positions), engine.lora_tables, *self.sampling)
+            window = engine.window_for(max(busy, default=0) + steps)
+        (sampled, logprobs), self.cache = self.decode(engine.values, self.cache, window, steps,
+                                                      engine.put(self.masks) if masked else None,
+                                                      engine.put(self.tokens), engine.put(self.positions),
+                                                      engine.lora_tables, *self.sampling)
         sampled = np.asarray(sampled)
         if any(g is not None and g.logprobs is not None for g in self.rows):  # fetched only when asked for
             logprobs = [np.asarray(a) for a in logprobs]
         for row, generation in enumerate(self.rows):
             if generation is None:
                 continue
-            for offset in range(DECODE_CHUNK):
+            for offset in range(steps):
                 if self.positions[row] + offset >= self.length - 1:  # the cache is full (validation prevents it)
                     generation.finish("length", engine)
                     break
@@ -1257,7 +1350,7 @@ class DecodeBatch:
                     break
             if generation.finish_reason is not None:
                 self.rows[row] = None
-        self.positions += DECODE_CHUNK
+        self.positions += steps
         self.tokens = sampled[-1].copy()
 
     def release_cancelled(self):
@@ -1286,6 +1379,7 @@ class Generation:
         # `releases` hand back what it holds (its adapter slot, its prefix-cache blocks) when it ends.
         self.adapter, self.slot, self.releases = None, 0, []
         self.cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
+        self.matcher = None  # an llguidance.LLMatcher when the output must follow a grammar
         self.model = None  # the name it was asked for, for per-model metrics
         self.stop, self.events, self.index = stop, events, index
         self.ids, self.text, self.sent, self.finish_reason = [], "", 0, None
@@ -1302,6 +1396,8 @@ class Generation:
         top ids)); returns True when this generation has finished."""
         if token in engine.stop_ids:
             return self.finish("stop", engine)
+        if self.matcher is not None:
+            self.matcher.consume_token(token)
         self.ids.append(token)
         if alternatives is not None:
             logprob, top_logprobs, top_ids = alternatives
@@ -1314,6 +1410,8 @@ class Generation:
             if at >= 0:
                 self.text = self.text[:at]
                 return self.finish("stop", engine)
+        if self.matcher is not None and self.matcher.is_stopped():  # the grammar is complete: nothing may follow
+            return self.finish("stop", engine)
         if len(self.ids) >= self.max_tokens:
             return self.finish("length", engine)
         self.emit(final=False)
@@ -1479,6 +1577,8 @@ class Server:
         self.in_flight = 0
         self.lock = threading.Lock()
         self.rng = random.Random(args.seed)  # seeds for requests that bring none
+        self.grammar_tokenizer = None  # llguidance's view of the vocabulary, for structured output
+        self.grammars = collections.OrderedDict()  # grammar text -> compiled LLMatcher, least recently used first
 
 
 def health(server, req):
@@ -1576,6 +1676,8 @@ def completions(server, req):
     if logprobs is not None and (not is_int(logprobs) or not 0 <= logprobs <= 5):
         raise RequestError(400, "'logprobs' must be an integer from 0 to 5")
     stream, include_usage = parse_stream(body)
+    grammar = requested_grammar(body)
+    matcher = None if grammar is None else compiled_grammar(server, grammar)
     base = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
             "model": pick_model(server, body)[0]}
     if stream:
@@ -1588,10 +1690,12 @@ def completions(server, req):
                 offsets[index] += sum(map(len, rendered["tokens"]))
             return [base | {"choices": [{"text": text, "index": index, "logprobs": rendered,
                                          "finish_reason": reason}]}]
-        gens = start_generations(server, req, prompts, body, default_max_tokens=16, events=events, logprobs=logprobs)
+        gens = start_generations(server, req, prompts, body, default_max_tokens=16, events=events, logprobs=logprobs,
+                                 grammar=matcher)
         return Reply(stream=stream_events(gens, events, render, last=(lambda: base | {"choices": [], "usage": usage(
             gens)}) if include_usage else None))
-    gens = wait_for(start_generations(server, req, prompts, body, default_max_tokens=16, logprobs=logprobs), req)
+    gens = wait_for(start_generations(server, req, prompts, body, default_max_tokens=16, logprobs=logprobs,
+                                      grammar=matcher), req)
     return Reply(payload=base | {
         "choices": [{"text": g.text, "index": i, "finish_reason": g.finish_reason,
                      "logprobs": None if logprobs is None else completion_logprobs(engine, kept_logprobs(g, engine))}
@@ -1602,15 +1706,23 @@ def completions(server, req):
 def chat_completions(server, req):
     body = req.json()
     engine = ready_engine(server)
-    for field, what in (("tools", "tool calling"), ("functions", "function calling")):
-        if body.get(field):
-            raise RequestError(400, f"'{field}' is not supported: this server does no {what}")
-    response_format = body.get("response_format")
-    if response_format is not None and (not isinstance(response_format, dict) or response_format.get("type") != "text"):
-        raise RequestError(400, "'response_format' must be {\"type\": \"text\"}: JSON output modes are not supported")
+    if body.get("functions"):
+        raise RequestError(400, "'functions' is not supported: send 'tools' with 'tool_choice'")
     check_n(body)
     model, _, template = pick_model(server, body)
-    prompt = chat_prompt(body.get("messages"), template)
+    tools = requested_tools(body)
+    grammar = requested_grammar(body)
+    if tools is not None and grammar is not None:
+        raise RequestError(400, "send 'tools' or a structured output ('response_format', 'structured_outputs'), "
+                                "not both")
+    messages = body.get("messages")
+    if tools is not None:  # the tools are described to the model in a system message before the conversation
+        if not isinstance(messages, list):
+            raise RequestError(400, "'messages' must be a non-empty list")
+        messages = [{"role": "system", "content": tools_prompt(body["tools"])}] + messages
+        grammar = ("tools", tools_grammar(tools))
+    prompt = chat_prompt(messages, template)
+    matcher = None if grammar is None else compiled_grammar(server, grammar)
     logprobs, top_logprobs = body.get("logprobs", False), body.get("top_logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
         raise RequestError(400, "'logprobs' must be a boolean")
@@ -1624,16 +1736,25 @@ def chat_completions(server, req):
     base = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion", "created": int(time.time()),
             "model": model}
     start = functools.partial(start_generations, server, req, [prompt], body, default_max_tokens=None, logprobs=keep,
-                              extra_stop=template_stop(engine, template), max_tokens_field=max_tokens_field)
+                              extra_stop=template_stop(engine, template), max_tokens_field=max_tokens_field,
+                              grammar=matcher)
     if stream:
         base["object"] = "chat.completion.chunk"
-        events = queue.Queue()
+        events, said = queue.Queue(), []
 
         def chunk(delta, reason=None, entries=None):
             content = {"content": chat_logprobs(engine, entries)} if keep is not None and entries else None
             return base | {"choices": [{"index": 0, "delta": delta, "logprobs": content, "finish_reason": reason}]}
 
         def render(index, text, reason, entries):
+            if tools is not None:  # a call is sent whole once complete, as OpenAI's tool_calls delta
+                said.append(text)
+                if not reason:
+                    return []
+                message, reason = tool_call_message("".join(said), reason)
+                delta = {"tool_calls": [dict(c, index=i) for i, c in enumerate(message["tool_calls"])]} \
+                    if message.get("tool_calls") else {"content": message["content"]}
+                return [chunk(delta, entries=entries), chunk({}, reason)]
             pieces = [chunk({"content": text}, entries=entries)] if text or entries else []
             return pieces + ([chunk({}, reason)] if reason else [])
         gens = start(events=events)
@@ -1641,10 +1762,12 @@ def chat_completions(server, req):
                                           last=(lambda: base | {"choices": [], "usage": usage(gens)})
                                           if include_usage else None))
     [g] = wait_for(start(), req)
+    message, reason = ({"role": "assistant", "content": g.text}, g.finish_reason) if tools is None else \
+        tool_call_message(g.text, g.finish_reason)
     return Reply(payload=base | {
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": g.text},
+        "choices": [{"index": 0, "message": message,
                      "logprobs": None if keep is None else {"content": chat_logprobs(engine, kept_logprobs(g, engine))},
-                     "finish_reason": g.finish_reason}],
+                     "finish_reason": reason}],
         "usage": usage([g])})
 
 
@@ -1717,13 +1840,27 @@ _SAMPLING = {"temperature": {"type": "number", "minimum": 0, "maximum": 2},
 _USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
           "properties": {"prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT,
                          "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": _INT}}}}
-_FINISH = {"type": ["string", "null"], "enum": ["stop", "length", None]}
+_FINISH = {"type": ["string", "null"], "enum": ["stop", "length", "tool_calls", None]}
 _TOKEN_LOGPROB = {"type": "object", "required": ["token", "logprob", "bytes"],
                   "properties": {"token": _STR, "logprob": _NUM, "bytes": {"type": "array", "items": _INT}}}
+_TOOL_CALL = {"type": "object", "required": ["id", "type", "function"], "properties": {
+    "id": _STR, "type": {"const": "function"}, "function": {
+        "type": "object", "required": ["name", "arguments"], "properties": {"name": _STR, "arguments": _STR}}}}
 _MESSAGE = {"type": "object", "required": ["role"], "properties": {
-    "role": {"enum": ["system", "developer", "user", "assistant"]},
+    "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
     "content": {"oneOf": [_STR, {"type": "null"}, {"type": "array", "items": {
-        "type": "object", "required": ["type", "text"], "properties": {"type": {"enum": ["text"]}, "text": _STR}}}]}}}
+        "type": "object", "required": ["type", "text"], "properties": {"type": {"enum": ["text"]}, "text": _STR}}}]},
+    "tool_calls": {"type": "array", "items": _TOOL_CALL}, "tool_call_id": _STR}}
+_STRUCTURED = {  # the structured-output request fields, on both completion endpoints
+    "response_format": {"oneOf": [
+        {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+        {"type": "object", "required": ["type", "json_schema"], "properties": {
+            "type": {"const": "json_schema"}, "json_schema": {"type": "object", "properties": {
+                "name": _STR, "schema": {"type": "object"}, "strict": {"type": ["boolean", "null"]}}}}}]},
+    "structured_outputs": {"type": "object", "description": "vLLM's: exactly one of json (a JSON Schema), regex, "
+                                                            "choice (strings), grammar (Lark)", "properties": {
+        "json": {"type": ["object", "string"]}, "regex": _STR, "choice": {"type": "array", "items": _STR},
+        "grammar": _STR}}}
 OPENAPI = {
     "openapi": "3.1.0",
     "info": {"title": "Gemma LoRA server (serve.py)", "version": "2",
@@ -1764,7 +1901,7 @@ OPENAPI = {
                 "stream": _BOOL, "stream_options": {"type": ["object", "null"], "properties": {"include_usage": _BOOL}},
                 "n": {"const": 1}, "logprobs": {"type": ["integer", "null"], "minimum": 0,
                                                                  "maximum": 5},
-                "echo": {"const": False}, **_SAMPLING}},
+                "echo": {"const": False}, **_STRUCTURED, **_SAMPLING}},
             stream=True)},
         "/v1/chat/completions": {"post": _operation(
             "OpenAI chat completions, rendered with the model's recorded prompt template",
@@ -1773,8 +1910,9 @@ OPENAPI = {
                 "choices": {"type": "array", "items": {
                     "type": "object", "required": ["index", "message", "finish_reason"], "properties": {
                         "index": _INT, "finish_reason": _FINISH,
-                        "message": {"type": "object", "required": ["role", "content"],
-                                    "properties": {"role": {"const": "assistant"}, "content": _STR}},
+                        "message": {"type": "object", "required": ["role", "content"], "properties": {
+                            "role": {"const": "assistant"}, "content": {"type": ["string", "null"]},
+                            "tool_calls": {"type": "array", "items": _TOOL_CALL}}},
                         "logprobs": {"type": ["object", "null"], "properties": {"content": {
                             "type": "array", "items": {"allOf": [_TOKEN_LOGPROB, {"properties": {
                                 "top_logprobs": {"type": "array", "items": _TOKEN_LOGPROB}}}]}}}}}}}}},
@@ -1784,7 +1922,14 @@ OPENAPI = {
                 "stream_options": {"type": ["object", "null"], "properties": {"include_usage": _BOOL}},
                 "n": {"const": 1}, "logprobs": _BOOL, "top_logprobs": {"type": "integer", "minimum": 0,
                                                                        "maximum": TOP_LOGPROBS},
-                "response_format": {"type": "object", "properties": {"type": {"const": "text"}}}, **_SAMPLING}},
+                "tools": {"type": "array", "items": {"type": "object", "required": ["type", "function"], "properties": {
+                    "type": {"const": "function"}, "function": {"type": "object", "required": ["name"], "properties": {
+                        "name": _STR, "description": _STR, "parameters": {"type": "object"}}}}}},
+                "tool_choice": {"oneOf": [{"enum": ["none", "required"]}, {
+                    "type": "object", "required": ["type", "function"], "properties": {
+                        "type": {"const": "function"}, "function": {"type": "object", "required": ["name"],
+                                                                    "properties": {"name": _STR}}}}]},
+                **_STRUCTURED, **_SAMPLING}},
             stream=True)},
         "/v1/models": {"get": _operation("the base model and every LoRA adapter over it (parent: the base)", {
             "type": "object", "required": ["object", "data"], "properties": {"object": {"const": "list"}, "data": {
@@ -1894,38 +2039,55 @@ def adapter_slots(server):
     return server.adapters
 
 
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "user"}
 
 
 class ChatError(ValueError):
     """A conversation that cannot be rendered, said in one line."""
 
 
+def message_text(i, message):
+    """A message's text: its content (a string, or text parts joined by newlines); an assistant's tool calls
+    as the JSON that serve.py's tool calling makes the model write; a tool's result under a heading."""
+    role, content = message["role"], message.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                   for part in content):
+            raise ChatError(f"messages[{i}]: only text content parts ({{\"type\": \"text\", \"text\"}}) are supported")
+        content = "\n".join(part["text"] for part in content)
+    calls = message.get("tool_calls") if role == "assistant" else None
+    if content is None and role == "assistant":
+        content = ""
+    if not isinstance(content, str):
+        raise ChatError(f"messages[{i}]: 'content' must be a string or a list of text parts")
+    if calls:
+        written = []
+        for call in calls if isinstance(calls, list) else [None]:
+            function = call.get("function") if isinstance(call, dict) else None
+            try:
+                written.append(json.dumps({"name": function["name"], "arguments": json.loads(function["arguments"])},
+                                          ensure_ascii=False))
+            except (TypeError, KeyError, json.JSONDecodeError):
+                raise ChatError(f"messages[{i}]: 'tool_calls' must be a list of {{\"type\": \"function\", \"function\": "
+                                "{\"name\", \"arguments\": a JSON string}}") from None
+        content = "\n".join(([content] if content else []) + written)
+    return f"Tool result:\n{content}" if role == "tool" else content
+
+
 def parse_messages(messages):
-    """OpenAI / TRL chat messages -> [(role, text, weight)]: developer counts as system, text parts are
-    joined by newlines, and weight (OpenAI's fine-tuning field: 0 = context only) is 0 or 1, 1 if absent."""
+    """OpenAI / TRL chat messages -> [(role, text, weight)]: developer counts as system and a tool's result
+    as a user turn, and weight (OpenAI's fine-tuning field: 0 = context only) is 0 or 1, 1 if absent."""
     if not isinstance(messages, list) or not messages:
         raise ChatError("'messages' must be a non-empty list")
     parsed = []
     for i, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
         if not isinstance(role, str) or role not in CHAT_ROLES:
-            raise ChatError(f"messages[{i}]: 'role' must be one of system, developer, user, assistant")
-        content = message.get("content")
-        if content is None and role == "assistant":
-            content = ""
-        if isinstance(content, list):
-            if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-                       for part in content):
-                raise ChatError(f"messages[{i}]: only text content parts ({{\"type\": \"text\", \"text\"}}) "
-                                "are supported")
-            content = "\n".join(part["text"] for part in content)
-        if not isinstance(content, str):
-            raise ChatError(f"messages[{i}]: 'content' must be a string or a list of text parts")
+            raise ChatError(f"messages[{i}]: 'role' must be one of system, developer, user, assistant, tool")
         weight = message.get("weight", 1)
         if isinstance(weight, bool) or weight not in (0, 1):
             raise ChatError(f"messages[{i}]: 'weight' must be 0 or 1")
-        parsed.append((CHAT_ROLES[role], content, int(weight)))
+        parsed.append((CHAT_ROLES[role], message_text(i, message), int(weight)))
     return parsed
 
 
@@ -2054,9 +2216,9 @@ def parse_sampling(body, sampler, server):
 
 
 def start_generations(server, req, prompts, body, default_max_tokens, events=None, logprobs=None, extra_stop=(),
-                      max_tokens_field="max_tokens"):
+                      max_tokens_field="max_tokens", grammar=None):
     """Validates the generation fields and queues one Generation per prompt (503 when the queue is full).
-    default_max_tokens None means as many as fit."""
+    default_max_tokens None means as many as fit; `grammar` (a compiled LLMatcher) constrains each one."""
     engine = ready_engine(server)
     args = server.args
     model = pick_model(server, body)[0]
@@ -2080,6 +2242,8 @@ def start_generations(server, req, prompts, body, default_max_tokens, events=Non
                                logprobs))
     for g in gens:
         g.model = model
+        if grammar is not None:
+            g.matcher = grammar.deep_copy()
         if model != server.model_name:  # held until the generation ends, so an unload cannot pull it away
             g.adapter = server.adapters.acquire(model)
             if g.adapter is None:
@@ -2096,6 +2260,159 @@ def start_generations(server, req, prompts, body, default_max_tokens, events=Non
                            {"Retry-After": "1"}) from None
     req.watch(gens)  # a client that hangs up from here on has them cancelled
     return gens
+
+
+# Structured output: what a request asks for becomes one llguidance grammar, compiled (and checked) on
+# the request's own thread, kept in a small cache by its text, and copied per generation; the worker
+# only asks each copy for its next token mask.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}  # json.dumps' layout:
+# a small model given free whitespace can pad an object with newlines until max_tokens
+GRAMMAR_CACHE_SIZE = 64
+
+
+def schema_grammar(schema, where):
+    import llguidance
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise RequestError(400, f"{where}: not valid JSON ({e.msg})") from None
+    if not isinstance(schema, dict):
+        raise RequestError(400, f"{where} must be a JSON Schema object")
+    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+
+
+def requested_grammar(body):
+    """("json_object" | "json_schema" | "json" | "regex" | "choice" | "grammar", llguidance grammar) for
+    OpenAI's response_format or vLLM's structured_outputs, or None for free text."""
+    import llguidance
+    chosen = []
+    response_format = body.get("response_format")
+    if response_format is not None:
+        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        if kind not in ("text", "json_object", "json_schema"):
+            raise RequestError(400, "'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                                    "{\"type\": \"json_schema\", \"json_schema\": {\"name\", \"schema\"}}")
+        if kind == "json_object":
+            chosen.append((kind, schema_grammar({"type": "object"}, "response_format")))
+        elif kind == "json_schema":
+            spec = response_format.get("json_schema")
+            if not isinstance(spec, dict):
+                raise RequestError(400, "'response_format.json_schema' must be an object with 'name' and 'schema'")
+            chosen.append((kind, schema_grammar(spec.get("schema", {"type": "object"}), "response_format.json_schema"
+                                                                                        ".schema")))
+    outputs = body.get("structured_outputs")
+    if outputs is not None:
+        given = [k for k in ("json", "regex", "choice", "grammar") if isinstance(outputs, dict)
+                 and outputs.get(k) is not None]
+        if len(given) != 1:
+            raise RequestError(400, "'structured_outputs' takes exactly one of 'json', 'regex', 'choice', 'grammar'")
+        kind, value = given[0], outputs[given[0]]
+        if kind == "json":
+            chosen.append((kind, schema_grammar(value, "structured_outputs.json")))
+        elif kind == "choice":
+            if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+                raise RequestError(400, "'structured_outputs.choice' must be a non-empty list of non-empty strings")
+            lark = "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value)
+            chosen.append((kind, llguidance.LLMatcher.grammar_from_lark(lark)))
+        elif not isinstance(value, str) or not value:
+            raise RequestError(400, f"'structured_outputs.{kind}' must be a non-empty string")
+        else:
+            chosen.append((kind, llguidance.LLMatcher.grammar_from_regex(value) if kind == "regex"
+                           else llguidance.LLMatcher.grammar_from_lark(value)))
+    if len(chosen) > 1:
+        raise RequestError(400, "send one of 'response_format' and 'structured_outputs', not both")
+    return chosen[0] if chosen else None
+
+
+def compiled_grammar(server, grammar):
+    """An LLMatcher for (kind, grammar), from the server's cache or compiled now; 400 with llguidance's
+    message for a schema, regex or grammar it cannot compile."""
+    import llguidance
+    kind, text = grammar
+    if server.grammar_tokenizer is None:
+        raise RequestError(400, "structured output needs a SentencePiece tokenizer, and this model has none")
+    with server.lock:
+        matcher = server.grammars.get(text)
+        if matcher is not None:
+            server.grammars.move_to_end(text)
+            return matcher
+    error = llguidance.LLMatcher.validate_grammar(text, server.grammar_tokenizer)
+    if error:
+        raise RequestError(400, f"the {kind.replace('_', ' ')} cannot be compiled: {error.strip()[:500]}")
+    matcher = llguidance.LLMatcher(server.grammar_tokenizer, text, log_level=0)
+    if matcher.is_error():
+        raise RequestError(400, f"the {kind.replace('_', ' ')} cannot be compiled: {matcher.get_error()[:500]}")
+    with server.lock:
+        server.grammars[text] = matcher
+        while len(server.grammars) > GRAMMAR_CACHE_SIZE:
+            server.grammars.popitem(last=False)
+    return matcher
+
+
+TOOLS_PROMPT = ("You can call these functions. To call one, answer with nothing but a JSON object: "
+                '{{"name": <the function\'s name>, "arguments": <its arguments as a JSON object>}}.\n{functions}')
+
+
+def requested_tools(body):
+    """The tools a request must call one of (tool_choice "required" or a named function), or None: no tools,
+    or tool_choice "none". "auto" cannot be honoured, and says why."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is None or tools == []:
+        if choice not in (None, "none"):
+            raise RequestError(400, "'tool_choice' needs 'tools'")
+        return None
+    if not isinstance(tools, list) or not all(
+            isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str) and t["function"]["name"]
+            and isinstance(t["function"].get("parameters", {}), dict) for t in tools):
+        raise RequestError(400, "'tools' must be a list of {\"type\": \"function\", \"function\": {\"name\", "
+                                "\"description\"?, \"parameters\"?}}")
+    if choice == "none":
+        return None
+    if choice is None or choice == "auto":
+        raise RequestError(400, "tool_choice 'auto' is not supported: these models have no tool-call tokens, so the "
+                                "server cannot tell a call from an answer. Send tool_choice 'required', or "
+                                "{\"type\": \"function\", \"function\": {\"name\": ...}} for one function, or 'none'")
+    functions = [t["function"] for t in tools]
+    if choice == "required":
+        return functions
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
+        and isinstance(choice.get("function"), dict) else None
+    if name is None:
+        raise RequestError(400, "'tool_choice' must be 'none', 'required' or {\"type\": \"function\", \"function\": "
+                                "{\"name\": ...}}")
+    named = [f for f in functions if f["name"] == name]
+    if not named:
+        raise RequestError(400, f"'tool_choice' names {name}, which is not among 'tools'")
+    return named
+
+
+def tools_prompt(tools):
+    return TOOLS_PROMPT.format(functions="\n".join(
+        f"- {t['function']['name']}: {t['function'].get('description') or ''} Arguments (JSON Schema): "
+        f"{json.dumps(t['function'].get('parameters') or {'type': 'object'}, ensure_ascii=False)}" for t in tools))
+
+
+def tools_grammar(functions):
+    """One call of one of `functions`: {"name": its name, "arguments": what its parameters schema allows}."""
+    calls = [{"type": "object", "properties": {"name": {"const": f["name"]},
+                                               "arguments": f.get("parameters") or {"type": "object"}},
+              "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
+    return schema_grammar(calls[0] if len(calls) == 1 else {"anyOf": calls}, "tools")
+
+
+def tool_call_message(text, finish_reason):
+    """(assistant message, finish_reason) for generated call text: tool_calls and "tool_calls" once the call
+    is complete; cut short by max_tokens, the text as content and "length"."""
+    try:
+        call = json.loads(text)
+        name, arguments = call["name"], call["arguments"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return {"role": "assistant", "content": text}, finish_reason
+    return {"role": "assistant", "content": None, "tool_calls": [{
+        "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+        "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}]}, "tool_calls"
 
 
 def release_all(gens):
@@ -2600,6 +2917,12 @@ def load(server):
         if engine.prefix is not None:
             METRICS.prefix_bytes, METRICS.prefix_blocks = engine.pool_bytes, engine.prefix.blocks
             METRICS.prefix_used = engine.prefix.used
+        started = time.time()
+        server.grammar_tokenizer = grammar_tokenizer(model.preprocessor.tokenizer, engine.vocabulary_size,
+                                                     engine.stop_ids)
+        if server.grammar_tokenizer is not None:
+            log(f"structured output: llguidance token table of {engine.vocabulary_size:,} built in "
+                f"{time.time() - started:.1f}s")
         started = time.time()
         engine.warm_up()
         log(f"warm-up: {len(engine.batch_buckets)} batch sizes x {len(engine.length_buckets)} windows, "

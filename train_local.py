@@ -306,38 +306,55 @@ def dolly_example(record, args):
             (response + TEMPLATES[args.template]["response_suffix"], "answer")]
 
 
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "user"}
 
 
 class ChatError(ValueError):
     """A conversation that cannot be rendered, said in one line."""
 
 
+def message_text(i, message):
+    """A message's text: its content (a string, or text parts joined by newlines); an assistant's tool calls
+    as the JSON that serve.py's tool calling makes the model write; a tool's result under a heading."""
+    role, content = message["role"], message.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                   for part in content):
+            raise ChatError(f"messages[{i}]: only text content parts ({{\"type\": \"text\", \"text\"}}) are supported")
+        content = "\n".join(part["text"] for part in content)
+    calls = message.get("tool_calls") if role == "assistant" else None
+    if content is None and role == "assistant":
+        content = ""
+    if not isinstance(content, str):
+        raise ChatError(f"messages[{i}]: 'content' must be a string or a list of text parts")
+    if calls:
+        written = []
+        for call in calls if isinstance(calls, list) else [None]:
+            function = call.get("function") if isinstance(call, dict) else None
+            try:
+                written.append(json.dumps({"name": function["name"], "arguments": json.loads(function["arguments"])},
+                                          ensure_ascii=False))
+            except (TypeError, KeyError, json.JSONDecodeError):
+                raise ChatError(f"messages[{i}]: 'tool_calls' must be a list of {{\"type\": \"function\", \"function\": "
+                                "{\"name\", \"arguments\": a JSON string}}") from None
+        content = "\n".join(([content] if content else []) + written)
+    return f"Tool result:\n{content}" if role == "tool" else content
+
+
 def parse_messages(messages):
-    """OpenAI / TRL chat messages -> [(role, text, weight)]: developer counts as system, text parts are
-    joined by newlines, and weight (OpenAI's fine-tuning field: 0 = context only) is 0 or 1, 1 if absent."""
+    """OpenAI / TRL chat messages -> [(role, text, weight)]: developer counts as system and a tool's result
+    as a user turn, and weight (OpenAI's fine-tuning field: 0 = context only) is 0 or 1, 1 if absent."""
     if not isinstance(messages, list) or not messages:
         raise ChatError("'messages' must be a non-empty list")
     parsed = []
     for i, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
         if not isinstance(role, str) or role not in CHAT_ROLES:
-            raise ChatError(f"messages[{i}]: 'role' must be one of system, developer, user, assistant")
-        content = message.get("content")
-        if content is None and role == "assistant":
-            content = ""
-        if isinstance(content, list):
-            if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-                       for part in content):
-                raise ChatError(f"messages[{i}]: only text content parts ({{\"type\": \"text\", \"text\"}}) "
-                                "are supported")
-            content = "\n".join(part["text"] for part in content)
-        if not isinstance(content, str):
-            raise ChatError(f"messages[{i}]: 'content' must be a string or a list of text parts")
+            raise ChatError(f"messages[{i}]: 'role' must be one of system, developer, user, assistant, tool")
         weight = message.get("weight", 1)
         if isinstance(weight, bool) or weight not in (0, 1):
             raise ChatError(f"messages[{i}]: 'weight' must be 0 or 1")
-        parsed.append((CHAT_ROLES[role], content, int(weight)))
+        parsed.append((CHAT_ROLES[role], message_text(i, message), int(weight)))
     return parsed
 
 

@@ -12,6 +12,10 @@ warm-up (from /metrics), and serve.py's RSS over a soak at the same load (--soak
 instead measures what many adapters cost: serve.py on the base alone, then the same base with 4 LoRA
 adapters (trained on different data seeds) and the same load spread evenly over them, so every decode
 batch mixes adapters; requests/s, tokens/s, memory per adapter slot and RSS for each.
+
+    python3 scripts/bench_serve.py --compare /tmp/old_serve.py [--seconds 60]
+
+measures another serve.py (an earlier commit's) against this one on the same load, for before/after.
 """
 import argparse
 import concurrent.futures
@@ -39,6 +43,9 @@ def parse_args():
     p.add_argument("--soak-seconds", type=float, default=600)
     p.add_argument("--article", default=str(ARTICLE))
     p.add_argument("--adapters", type=int, default=0, help="measure N adapters mixed vs the base alone instead")
+    p.add_argument("--compare", default=None, metavar="SERVE_PY",
+                   help="instead of the article's server, measure another serve.py (e.g. an earlier commit's, from "
+                        "`git show REV:serve.py > /tmp/old_serve.py`) against this one, one after the other")
     return p.parse_args()
 
 
@@ -148,11 +155,11 @@ def train_adapters(work, hf_dir, n, env):
     return dirs
 
 
-def serve_and_load(name, flags, env, pool, args, models):
+def serve_and_load(name, flags, env, pool, args, models, script=str(REPO / "serve.py")):
     port = free_port()
     log_path = Path(tempfile.mkstemp(prefix=f"serve-{name}-", suffix=".log")[1])
     with open(log_path, "w") as log:
-        server = subprocess.Popen([sys.executable, str(REPO / "serve.py"), "--host", "127.0.0.1", "--port", str(port),
+        server = subprocess.Popen([sys.executable, script, "--host", "127.0.0.1", "--port", str(port),
                                    "--max-batch-size", str(args.clients), "--compile-cache", "", *flags],
                                   env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -170,6 +177,19 @@ def serve_and_load(name, flags, env, pool, args, models):
     slot = next((line.split(": ")[-1] for line in log_path.read_text().splitlines() if "adapter slots" in line), "-")
     print(f"{name}: {counts[0]} requests ({counts[2]} failed) in {seconds:.0f}s", flush=True)
     return counts[0] / seconds, counts[1] / seconds, counts[2], compiles, rss, slot
+
+
+def bench_compare(args, env, model_dir, pool):
+    """This serve.py against another one (--compare), same model, load and window, one after the other."""
+    rows = {}
+    for name, script in (("other (--compare)", args.compare), ("this serve.py", str(REPO / "serve.py"))):
+        rows[name] = serve_and_load(name.split()[0], ["--model", str(model_dir)], env, pool, args, (None,),
+                                    script=script)
+    print("\n| server | requests/s | generated tokens/s | failed | compilations under load |\n|---|---|---|---|---|")
+    for name, (rps, tps, failed, compiles, _, _) in rows.items():
+        print(f"| {name} | {rps:.2f} | {tps:.1f} | {failed} | {compiles:.0f} |")
+    (other, *_), (this, *_) = rows.values()
+    print(f"\nthis serve.py: {100 * this / other:.1f}% of the other's requests/s")
 
 
 def bench_adapters(args, work, env, hf_dir, pool):
@@ -200,6 +220,8 @@ def main():
     pool = prompts(encode)
     if args.adapters:
         return bench_adapters(args, work, env, hf_dir, pool)
+    if args.compare:
+        return bench_compare(args, env, model_dir, pool)
     results = {}
 
     port = free_port()

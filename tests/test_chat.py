@@ -154,14 +154,14 @@ def test_completions_legacy_logprobs(server):
 
 @pytest.mark.parametrize("path, body, message", [
     ("/v1/chat/completions", {"messages": []}, "non-empty list"),
-    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "'role'"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "'role'"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "text content"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "'content'"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2}, "n=1"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-     "'tools' is not supported"),
+     "'tools' must be"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                              "response_format": {"type": "json_object"}}, "'response_format'"),
+                              "response_format": {"type": "xml"}}, "'response_format'"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "needs 'logprobs'"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
                               "top_logprobs": 21}, "'top_logprobs'"),

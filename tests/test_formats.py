@@ -156,7 +156,8 @@ def test_conversations_render_exactly_as_serve_renders_them():
 
 
 def test_chat_and_lora_helpers_are_the_same_in_both_scripts():
-    for name in ("ChatError", "parse_messages", "render_chat", "parse_lora_modules", "keras_lora_scale"):
+    for name in ("ChatError", "message_text", "parse_messages", "render_chat", "parse_lora_modules",
+                 "keras_lora_scale"):
         assert inspect.getsource(getattr(serve, name)) == inspect.getsource(getattr(train_local, name)), name
     assert serve.CHAT_ROLES == train_local.CHAT_ROLES and serve.TEMPLATES == train_local.TEMPLATES
     assert serve.DEFAULT_LORA_MODULES == train_local.DEFAULT_LORA_MODULES
@@ -211,3 +212,23 @@ def test_the_chat_sample_has_every_shape_chat_logs_have():
     assert all(sum(m["role"] == "user" for m in r["messages"]) >= 2 for r in records)
     taught = [m["content"] for r in records for m in r["messages"] if m["role"] == "assistant" and m.get("weight", 1)]
     assert all(t.endswith("Anything else?") for t in taught)
+
+
+def test_tool_calls_and_results_render_as_serving_makes_and_reads_them(tmp_path):
+    """An OpenAI fine-tuning record with a function call: the call is taught as the JSON serve.py's tool
+    calling constrains the model to write, the result is a user turn."""
+    record = {"messages": [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "-3 C"},
+        {"role": "assistant", "content": "It is -3 C in Oslo."}]}
+    [example], _ = train_local.load_data(args_for(write(tmp_path, [record]), "--template", "gemma-chat"))
+    assert example[1] == ('{"name": "get_weather", "arguments": {"city": "Oslo"}}<end_of_turn>', "answer")
+    assert "<start_of_turn>user\nTool result:\n-3 C<end_of_turn>" in example[2][0]
+    prompt = serve.chat_prompt(record["messages"][:3], dict(GEMMA, name="gemma-chat"))
+    assert prompt == "".join(text for text, _ in example[:3])
+    bad = dict(record, messages=record["messages"][:1] + [{"role": "assistant", "tool_calls": [{"function": {
+        "name": "f", "arguments": "{broken"}}]}])
+    with pytest.raises(train_local.UserError, match="'tool_calls' must be a list"):
+        train_local.load_data(args_for(write(tmp_path, [bad])))

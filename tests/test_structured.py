@@ -1,0 +1,218 @@
+"""Structured output: JSON schemas, regexes, choices, Lark grammars and forced tool calls, masked inside the
+compiled decode step with llguidance."""
+import concurrent.futures
+import json
+import re
+import urllib.request
+
+import jsonschema
+import numpy as np
+import pytest
+
+import serve
+from conftest import http
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "role": {"enum": ["admin", "user", "guest"]},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 2},
+    "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                                 "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                "required": ["city", "zip"], "additionalProperties": False}},
+    "required": ["name", "age", "role", "address"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city.",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string", "maxLength": 12},
+                                                "unit": {"enum": ["celsius", "fahrenheit"]}},
+                                                "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+MESSAGES = [{"role": "user", "content": "Describe a user of the system."}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_server):
+    return tiny_server
+
+
+@pytest.fixture(scope="module")
+def tools_server(trained_model, start_server):
+    """Room for the tool descriptions, which the tiny tokenizer spells out in hundreds of tokens."""
+    return start_server(trained_model, "--length-buckets", "64,768", "--max-batch-size", "2")
+
+
+def chat(server, extra, messages=MESSAGES, **fields):
+    body = {"messages": messages, "max_tokens": 120, "temperature": 0} | fields | extra
+    status, answer, _ = http("POST", server.url + "/v1/chat/completions", body)
+    assert status == 200, answer
+    return answer["choices"][0]
+
+
+def streamed_chat(server, extra, messages=MESSAGES, **fields):
+    body = {"messages": messages, "max_tokens": 120, "temperature": 0, "stream": True} | fields | extra
+    request = urllib.request.Request(server.url + "/v1/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return [json.loads(e[6:]) for e in response.read().decode().split("\n\n") if e and e != "data: [DONE]"]
+
+
+FORMS = {
+    "json_object": ({"response_format": {"type": "json_object"}},
+                    lambda text: isinstance(json.loads(text), dict)),
+    "json_schema": ({"response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
+                                                                                "strict": True}}},
+                    lambda text: jsonschema.validate(json.loads(text), PERSON) is None),
+    "json": ({"structured_outputs": {"json": PERSON}}, lambda text: jsonschema.validate(json.loads(text), PERSON) is None),
+    "regex": ({"structured_outputs": {"regex": r"[0-9]{3}-[0-9]{4}"}},
+              lambda text: re.fullmatch(r"[0-9]{3}-[0-9]{4}", text) is not None),
+    "choice": ({"structured_outputs": {"choice": ["positive", "negative", "neutral ✓"]}},
+               lambda text: text in ("positive", "negative", "neutral ✓")),
+    "grammar": ({"structured_outputs": {"grammar": 'start: "(" NUM " + " NUM ") = " NUM\nNUM: /[0-9]{1,3}/'}},
+                lambda text: re.fullmatch(r"\([0-9]{1,3} \+ [0-9]{1,3}\) = [0-9]{1,3}", text) is not None),
+}
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_each_form_keeps_to_its_grammar_plain_and_streaming(server, form):
+    extra, check = FORMS[form]
+    compiled = server.metric("serve_compilations_total")
+    choice = chat(server, extra)
+    text = choice["message"]["content"]
+    assert choice["finish_reason"] == "stop" and check(text), choice
+    chunks = streamed_chat(server, extra)
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == text
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]] \
+        == ["stop"]
+    # Sampled, too: whatever the sampler draws stays inside the grammar.
+    sampled = chat(server, extra, temperature=1.0, top_p=1.0, top_k=-1, seed=3)
+    assert sampled["finish_reason"] == "stop" and check(sampled["message"]["content"]), sampled
+    assert server.metric("serve_compilations_total") == compiled
+
+
+def test_completions_take_structured_outputs_too(server):
+    status, answer, _ = http("POST", server.url + "/v1/completions", {
+        "prompt": ["Instruction:\nA phone number?\n\nResponse:\n", "Instruction:\nAnother?\n\nResponse:\n"],
+        "max_tokens": 20, "temperature": 0, "structured_outputs": {"regex": r"\+[0-9]{2} [0-9]{6}"}})
+    assert status == 200, answer
+    assert all(re.fullmatch(r"\+[0-9]{2} [0-9]{6}", c["text"]) and c["finish_reason"] == "stop"
+               for c in answer["choices"]), answer
+
+
+def test_log_probabilities_are_those_of_the_masked_distribution(server):
+    choice = chat(server, {"structured_outputs": {"choice": ["positive", "negative"]}}, logprobs=True,
+                  top_logprobs=20)
+    first = choice["logprobs"]["content"][0]
+    allowed = [t for t in first["top_logprobs"] if t["logprob"] > -9999]  # forbidden tokens: -inf, sent as -9999
+    assert allowed and all("positive".startswith(t["token"]) or "negative".startswith(t["token"]) for t in allowed)
+    assert len(allowed) < 20  # so every allowed first token is listed, and they hold all the probability
+    assert sum(np.exp(t["logprob"]) for t in allowed) == pytest.approx(1.0, abs=1e-4)
+
+
+def test_constrained_and_free_rows_share_a_batch_and_each_answers_as_alone(server):
+    jobs = [({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}}, {}),
+            ({}, {"max_tokens": 24}), ({"structured_outputs": {"regex": r"[a-z]{4,8}"}}, {}), ({}, {"max_tokens": 40})]
+    alone = [chat(server, extra, **fields) for extra, fields in jobs]
+
+    def shared_steps():  # decode steps that ran with more than one request in the batch
+        return sum(server.metric("serve_batches_total", labels=f'size="{n}"') for n in (2, 3, 4))
+    before = shared_steps()
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        together = list(pool.map(lambda job: chat(server, job[0], **job[1]), jobs))
+    assert [t["message"]["content"] for t in together] == [a["message"]["content"] for a in alone]
+    assert shared_steps() > before
+    jsonschema.validate(json.loads(together[0]["message"]["content"]), PERSON)
+
+
+@pytest.mark.parametrize("tool_choice, names", [("required", {"get_weather", "get_time"}),
+                                                ({"type": "function", "function": {"name": "get_time"}}, {"get_time"})])
+def test_forced_tool_calls_answer_with_tool_calls(tools_server, tool_choice, names):
+    server = tools_server
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    choice = chat(server, {"tools": [WEATHER, TIME], "tool_choice": tool_choice}, messages=messages)
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, choice
+    [call] = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_") and call["function"]["name"] in names
+    schema = {"get_weather": WEATHER, "get_time": TIME}[call["function"]["name"]]["function"]["parameters"]
+    jsonschema.validate(json.loads(call["function"]["arguments"]), schema)
+    chunks = streamed_chat(server, {"tools": [WEATHER, TIME], "tool_choice": tool_choice}, messages=messages)
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    [streamed] = [d["tool_calls"] for d in deltas if d.get("tool_calls")]
+    assert streamed[0]["index"] == 0 and streamed[0]["function"] == call["function"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]] \
+        == ["tool_calls"]
+    # The call and its result go back into the conversation, rendered as text the model can read.
+    follow_up = messages + [choice["message"], {"role": "tool", "tool_call_id": call["id"], "content": "18 C"}]
+    assert chat(server, {}, messages=follow_up, max_tokens=8)["finish_reason"] in ("stop", "length")
+
+
+def test_tool_choice_none_is_no_tools_and_the_prompt_describes_tools(server):
+    messages = [{"role": "user", "content": "Hi"}]
+    plain = chat(server, {}, messages=messages, max_tokens=8)
+    assert chat(server, {"tools": [WEATHER], "tool_choice": "none"}, messages=messages, max_tokens=8) == plain
+    described = serve.tools_prompt([WEATHER])
+    assert "get_weather: Current weather in a city." in described and '"enum": ["celsius", "fahrenheit"]' in described
+
+
+@pytest.mark.parametrize("extra, status, words", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}}, 400,
+     "cannot be compiled"),
+    ({"structured_outputs": {"regex": "[0-9"}}, 400, "regex cannot be compiled"),
+    ({"structured_outputs": {"grammar": "start: foo |"}}, 400, "grammar cannot be compiled"),
+    ({"structured_outputs": {"json": "{not json"}}, 400, "not valid JSON"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, 400, "exactly one of"),
+    ({"structured_outputs": {"choice": []}}, 400, "non-empty list"),
+    ({"response_format": {"type": "xml"}}, 400, "'response_format' must be"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, 400, "not both"),
+    ({"tools": [WEATHER], "tool_choice": "auto"}, 400, "tool_choice 'auto' is not supported"),
+    ({"tools": [WEATHER]}, 400, "tool_choice 'auto' is not supported"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400, "not among"),
+    ({"tools": [{"type": "function"}], "tool_choice": "required"}, 400, "'tools' must be"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, 400, "not both"),
+])
+def test_what_cannot_be_constrained_is_a_400_saying_why(server, extra, status, words):
+    got, answer, _ = http("POST", server.url + "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4} | extra)
+    assert got == status and words in answer["error"]["message"], answer
+
+
+def test_the_openai_client_parses_into_a_pydantic_model(server):
+    import openai
+    import pydantic
+
+    class Address(pydantic.BaseModel):
+        city: str = pydantic.Field(max_length=10)
+        zip: str = pydantic.Field(pattern="^[0-9]{5}$")
+
+    class Person(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=12)
+        age: int = pydantic.Field(ge=0, le=120)
+        address: Address
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    parsed = client.chat.completions.parse(model="model", messages=MESSAGES, response_format=Person, max_tokens=120,
+                                           temperature=0)
+    person = parsed.choices[0].message.parsed
+    assert isinstance(person, Person) and isinstance(person.address, Address) and 0 <= person.age <= 120
+    assert server.metric("serve_grammar_masks_total") > 0
+
+
+def test_the_grammar_vocabulary_keeps_markers_special_and_bytes_raw(tiny_model):
+    import keras_hub
+    tokenizer = keras_hub.models.CausalLM.from_preset(str(tiny_model)).preprocessor.tokenizer
+    vocabulary = tokenizer.get_vocabulary()
+    stop = {tokenizer.end_token_id, tokenizer.token_to_id("<end_of_turn>")}
+    grammar_tokens = serve.grammar_tokenizer(tokenizer, len(vocabulary), stop)
+    for marker in ("<start_of_turn>", "<end_of_turn>", "<eos>", "<bos>", "<pad>"):
+        assert grammar_tokens.is_special_token(tokenizer.token_to_id(marker)), marker
+    assert grammar_tokens.decode_bytes([tokenizer.token_to_id("<0x41>")]) == b"A"
+    assert grammar_tokens.decode_str(serve.make_text_codec(tokenizer)[0]("Hello world\n")) == "Hello world\n"
+
+
+def test_apply_token_mask_on_a_hand_made_mask():
+    logits = np.zeros((2, 70), np.float32)
+    masks = np.zeros((2, 3), np.int32)
+    masks[0, 0] = 1 << 5  # token 5
+    masks[0, 2] = 1 << 1  # token 65
+    masks[1] = -1  # every token
+    out = np.asarray(serve.apply_token_mask(logits, masks))
+    assert np.isfinite(out[0]).nonzero()[0].tolist() == [5, 65] and np.isfinite(out[1]).all()
