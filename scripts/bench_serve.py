@@ -46,6 +46,8 @@ def parse_args():
     p.add_argument("--compare", default=None, metavar="SERVE_PY",
                    help="instead of the article's server, measure another serve.py (e.g. an earlier commit's, from "
                         "`git show REV:serve.py > /tmp/old_serve.py`) against this one, one after the other")
+    p.add_argument("--this-flags", default="", help="with --compare: extra flags for this serve.py, e.g. "
+                                                    "'--prefix-cache-blocks 0' (the load re-sends 64 prompts)")
     return p.parse_args()
 
 
@@ -182,8 +184,10 @@ def serve_and_load(name, flags, env, pool, args, models, script=str(REPO / "serv
 def bench_compare(args, env, model_dir, pool):
     """This serve.py against another one (--compare), same model, load and window, one after the other."""
     rows = {}
-    for name, script in (("other (--compare)", args.compare), ("this serve.py", str(REPO / "serve.py"))):
-        rows[name] = serve_and_load(name.split()[0], ["--model", str(model_dir)], env, pool, args, (None,),
+    for name, script, extra in (("other (--compare)", args.compare, []),
+                                (f"this serve.py {args.this_flags}".strip(), str(REPO / "serve.py"),
+                                 args.this_flags.split())):
+        rows[name] = serve_and_load(name.split()[0], ["--model", str(model_dir), *extra], env, pool, args, (None,),
                                     script=script)
     print("\n| server | requests/s | generated tokens/s | failed | compilations under load |\n|---|---|---|---|---|")
     for name, (rps, tps, failed, compiles, _, _) in rows.items():

@@ -1,4 +1,4 @@
-"""Structured output on the real Gemma 3 270M (CPU, pretrained, not instruction-tuned), one run.
+"""Structured output on the real Gemma 3 270M (CPU, float32, pretrained, not instruction-tuned), one run.
 
     python3 scripts/bench_structured.py [--prompts 50]
 
@@ -103,7 +103,7 @@ def main():
     prompts = orders(args.prompts)
     with open(log_path, "w") as log:
         server = subprocess.Popen([sys.executable, str(REPO / "serve.py"), "--model", args.model, "--host", "127.0.0.1",
-                                   "--port", str(port), "--max-batch-size", "8", "--length-buckets", "512",
+                                   "--port", str(port), "--max-batch-size", "8", "--dtype", "float32", "--length-buckets", "512",
                                    "--compile-cache", str(REPO / "bench-out" / "xla-cache")],
                                   env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
