@@ -1033,7 +1033,8 @@ class PrefixCache:
 
     def allocate(self, keys):
         """[(index in keys, block)] to write for the keys not cached yet, evicting the least recently used
-        blocks nobody holds; fewer (or none) when every block is held."""
+        blocks nobody holds; fewer (or none) when every block is held. The blocks come back held, so one
+        call never hands out a block twice (a pool write with a repeated block would be undefined)."""
         out = []
         for index, key in enumerate(keys):
             if key in self.by_key:
@@ -1043,8 +1044,16 @@ class PrefixCache:
             if block is None:
                 break
             self.by_key[key] = block
+            self.holders[block] += 1
             out.append((index, block))
         return out
+
+    def forget(self, blocks):
+        """Drops the keys of `blocks` (their KV was never written); the blocks stay held until released."""
+        blocks = set(blocks)
+        for key in [key for key, block in self.by_key.items() if block in blocks]:
+            del self.by_key[key]
+        self.free.extend(sorted(blocks, reverse=True))
 
     def evict(self):
         for key, block in self.by_key.items():
@@ -1173,6 +1182,8 @@ class Engine:
             while reused and len(reused) * prefix.block_tokens + self.block_for(
                     len(ids) - len(reused) * prefix.block_tokens) > self.max_length:
                 reused.pop()
+            prefix.hold(reused)  # before this prompt's own blocks are allocated, which may evict
+            generation.releases.append(functools.partial(prefix.release, reused))
             start = len(reused) * prefix.block_tokens
         suffix = self.block_for(len(ids) - start)
         if start:
@@ -1186,15 +1197,17 @@ class Engine:
         if prefix is not None:
             first = start // prefix.block_tokens
             written = [(first + index, block) for index, block in prefix.allocate(keys[first:])]
+            generation.releases.append(functools.partial(prefix.release, [block for _, block in written]))
             if written:
                 size = cache_length(row, self.axes) // prefix.block_tokens
                 sources = np.zeros(size, np.int32)
                 targets = np.full(size, prefix.scratch, np.int32)
                 sources[:len(written)], targets[:len(written)] = zip(*written)
-                self.pool = self._store(self.pool, row, sources, targets)
-            held = reused + [block for _, block in written]
-            prefix.hold(held)
-            generation.releases.append(functools.partial(prefix.release, held))
+                try:
+                    self.pool = self._store(self.pool, row, sources, targets)
+                except BaseException:
+                    prefix.forget([block for _, block in written])  # never match a block that was not written
+                    raise
         return row, start
 
     def warm_up(self):

@@ -60,6 +60,7 @@ def test_hash_chains_match_whole_blocks_of_the_same_tokens_and_adapter():
     assert len(keys) == 2 and cache.match(keys) == []
     written = cache.allocate(keys)
     assert [index for index, _ in written] == [0, 1]
+    cache.release([b for _, b in written])
     assert cache.match(cache.keys(ids[:8] + [7, 7, 7, 7], 0)) == [b for _, b in written]  # shares both blocks
     assert cache.match(cache.keys(ids[:6], 0)) == [written[0][1]]  # a partial block is never matched
     assert cache.match(cache.keys([99] + ids[1:], 0)) == []  # a change early breaks the whole chain
@@ -67,16 +68,26 @@ def test_hash_chains_match_whole_blocks_of_the_same_tokens_and_adapter():
     assert cache.allocate(keys) == []  # cached already: nothing to write
 
 
+def test_one_prompt_longer_than_the_pool_never_gets_a_block_twice():
+    cache = serve.PrefixCache(blocks=3, block_tokens=2)
+    written = cache.allocate(cache.keys(list(range(10)), 0))  # 5 blocks into a pool of 3
+    blocks = [b for _, b in written]
+    assert len(set(blocks)) == len(blocks) == 3
+    assert cache.allocate(cache.keys([50, 51], 0)) == []  # all three held by that prompt
+    cache.release(blocks)
+    assert len(cache.allocate(cache.keys([50, 51], 0))) == 1
+
+
 def test_eviction_takes_the_least_recently_used_and_never_a_held_block():
     cache = serve.PrefixCache(blocks=3, block_tokens=2)
     a, b, c, d = ([i, i] for i in (1, 2, 3, 4))
     blocks = {name: cache.allocate(cache.keys(ids, 0))[0][1] for name, ids in (("a", a), ("b", b), ("c", c))}
-    cache.hold([blocks["a"]])
+    cache.release([blocks["b"], blocks["c"]])  # their requests ended; a's still runs
     cache.match(cache.keys(b, 0))  # b is now more recently used than c
     [(_, reused)] = cache.allocate(cache.keys(d, 0))  # full: evicts c (a is held, b was used later)
     assert reused == blocks["c"] and cache.match(cache.keys(c, 0)) == []
     assert cache.match(cache.keys(a, 0)) == [blocks["a"]]
-    cache.hold([blocks["b"], reused])
+    cache.hold([blocks["b"]])  # d's request still holds its block too
     assert cache.allocate(cache.keys([9, 9], 0)) == []  # every block held: nothing stored, nothing broken
     cache.release([blocks["a"]])
     assert cache.allocate(cache.keys([9, 9], 0)) == [(0, blocks["a"])]
@@ -233,3 +244,13 @@ def test_near_the_end_of_the_cache_fewer_blocks_are_reused_so_the_rest_fits(engi
     finally:
         engine.prefix = engine_off
     assert cached.ids == plain.ids
+
+
+def test_blocks_whose_write_failed_are_forgotten_and_reused():
+    cache = serve.PrefixCache(blocks=2, block_tokens=2)
+    keys = cache.keys([1, 2, 3, 4], 0)
+    written = [b for _, b in cache.allocate(keys)]
+    cache.forget(written)  # the pool write raised: these keys must not match KV that was never stored
+    assert cache.match(keys) == [] and cache.used() == 0
+    cache.release(written)
+    assert sorted(b for _, b in cache.allocate(cache.keys([5, 6, 7, 8], 0))) == sorted(written)
