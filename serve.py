@@ -900,6 +900,43 @@ def insert(axes, cache, row_cache, row):
     return jax.tree.map(put, cache, row_cache, axes)
 
 
+@contextlib.contextmanager
+def local_attention_in_its_window(model):
+    """While tracing a one-token step: each sliding-window layer (Gemma 2's every other layer, five in six
+    of Gemma 3's) attends over only the sliding_window_size cache positions its mask lets through, not
+    the whole cache with the rest masked off. keras-hub reads every position and masks; the keys and
+    values it reads are most of a long decode step (Gemma 3 270M, 8 rows over 1,536 positions)."""
+    import jax
+    import jax.numpy as jnp
+    layers = [layer.attention for layer in getattr(model.backbone, "transformer_layers", [])
+              if getattr(getattr(layer, "attention", None), "use_sliding_window_attention", False)]
+
+    def windowed(layer, compute):
+        def compute_attention(q, k, v, attention_mask, training=False, cache_update_index=0):
+            size, keys = layer.sliding_window_size, k.shape[1]
+            if q.shape[1] != 1 or attention_mask is None or keys <= size:
+                return compute(q, k, v, attention_mask, training=training, cache_update_index=cache_update_index)
+            # The window ends at the token itself (or, early on, starts at 0); keras-hub's band mask over
+            # the slice, at the index within it, lets exactly these keys through.
+            start = jnp.clip(cache_update_index - size + 1, 0, keys - size)
+            k, v = (jax.lax.dynamic_slice_in_dim(a, start, size, axis=1) for a in (k, v))
+            attention_mask = jax.lax.dynamic_slice_in_dim(attention_mask, start, size, axis=2)
+            return compute(q, k, v, attention_mask, training=training, cache_update_index=cache_update_index - start)
+        return compute_attention
+
+    own = [vars(layer).get("_compute_attention") for layer in layers]
+    for layer in layers:
+        layer._compute_attention = windowed(layer, layer._compute_attention)
+    try:
+        yield
+    finally:
+        for layer, compute in zip(layers, own):
+            if compute is None:
+                del layer._compute_attention  # the class's own again
+            else:
+                layer._compute_attention = compute
+
+
 def forward(model, variables, adapters, values, cache, tokens, positions, tables, slots):
     """One token per row, each at its own position and with its own adapter: keras-hub's cached call,
     vmapped over rows so the write index, causal mask and LoRA slot are per row."""
@@ -910,7 +947,8 @@ def forward(model, variables, adapters, values, cache, tokens, positions, tables
         logits, _, row_cache = with_adapter(adapters, tables, slot, lambda: model.call_with_cache(
             token[None, None], row_cache, position))
         return logits[0, 0], jax.tree.map(lambda c: c[0], row_cache)
-    return run_stateless(variables, values, lambda: jax.vmap(one_row)(cache, tokens, positions, slots))
+    with local_attention_in_its_window(model):
+        return run_stateless(variables, values, lambda: jax.vmap(one_row)(cache, tokens, positions, slots))
 
 
 def sample(logits, positions, temperature, top_k, top_p, seeds):

@@ -38,6 +38,39 @@ def test_insert_writes_one_row_of_a_hand_made_cache():
     assert np.asarray(out[0])[[0, 2]].max() == 0 and np.asarray(out[0])[1, 4:].max() == 0
 
 
+def test_decode_with_local_layers_attending_their_window_equals_keras_hub_over_the_whole_sequence():
+    """forward() reads only a sliding-window layer's window of the cache; the logits must be keras-hub's
+    own full-sequence call, for rows at different positions in one batch, before and past the window."""
+    import keras
+    import keras_hub
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.Gemma3Backbone(
+        vocabulary_size=64, image_size=16, num_layers=6, num_query_heads=2, num_key_value_heads=1, hidden_dim=16,
+        intermediate_dim=32, head_dim=8, use_sliding_window_attention=True, sliding_window_size=4, dtype="float32")
+    model = keras_hub.models.Gemma3CausalLM(backbone=backbone, preprocessor=None)
+    assert [layer.attention.use_sliding_window_attention for layer in backbone.transformer_layers] == [True] * 5 + [False]
+    ids = np.random.default_rng(0).integers(1, 64, (2, 14)).astype(np.int32)
+    hidden = backbone({"token_ids": ids, "padding_mask": np.ones_like(ids)})
+    expected = np.asarray(backbone.token_embedding(hidden, reverse=True))
+    variables = model.variables
+    values = [v.value for v in variables]
+    length, starts = 16, (3, 6)  # row 0 begins inside the window, row 1 past it
+    rows = [serve.prefill(model, variables, None, values, ids[i:i + 1, :start], {}, np.int32(0))
+            for i, start in enumerate(starts)]
+    import jax
+    cache = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), serve.cache_shapes(model, 2, length))
+    axes = serve.cache_position_axes(model)
+    for i, row in enumerate(rows):
+        cache = serve.insert(axes, cache, row, i)
+    positions = np.array(starts, np.int32)
+    for _ in range(14 - max(starts)):
+        tokens = ids[[0, 1], positions]
+        logits, cache = serve.forward(model, variables, None, values, cache, tokens, positions, {}, np.zeros(2, np.int32))
+        np.testing.assert_allclose(np.asarray(logits), expected[[0, 1], positions], atol=1e-5)
+        positions = positions + 1
+    assert "_compute_attention" not in vars(backbone.transformer_layers[0].attention)  # the class's own again
+
+
 @pytest.mark.parametrize("axis, shape", [(1, (1, 32, 2, 3)),           # Gemma 3: per-layer (batch, length, heads, dim)
                                          (3, (1, 2, 2, 32, 1, 3))])    # Gemma 1/2: (batch, layers, 2, length, …)
 def test_pool_blocks_store_and_gather_back_exactly(axis, shape):
