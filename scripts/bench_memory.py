@@ -4,7 +4,10 @@
 
 Serving, each setting in a fresh process (serve.py's own loading and engine): weight memory,
 resident memory after warm-up and its peak, decode tokens/s at batch 1 and 8 (64 new tokens after
-a 32-token prompt, greedy). int8/int4 quantize a float32 load, as `serve.py --quantize` does.
+a 32-token prompt, greedy), next to the limit decoding one token per row can reach: every step reads
+every weight once, so tokens/s <= rows x read bandwidth / weight bytes, with the bandwidth measured in
+the same process (a jitted sum over 256 MiB). int8/int4 quantize a float32 load, as `serve.py
+--quantize` does.
 Training, each setting: train_local.py with the demo's 40 steps (int8/int4: QLoRA, `--quantize`):
 ms per step, eval loss after, peak RSS.
 """
@@ -38,6 +41,21 @@ def memory_mib():
     return {key: int(re.search(rf"{key}:\s+(\d+)", status).group(1)) / 1024 for key in ("VmRSS", "VmHWM")}
 
 
+def read_bandwidth():
+    """Bytes/s a jitted sum streams from memory (best of 10 over 256 MiB: bigger than any cache)."""
+    import jax
+    import jax.numpy as jnp
+    data = jnp.ones(64 << 20, jnp.float32)
+    total = jax.jit(jnp.sum)
+    total(data).block_until_ready()
+    best = float("inf")
+    for _ in range(10):
+        started = time.perf_counter()
+        total(data).block_until_ready()
+        best = min(best, time.perf_counter() - started)
+    return data.nbytes / best
+
+
 def flags_for(setting):
     if setting in ("float32", "bfloat16"):
         return ["--dtype", setting]
@@ -53,7 +71,9 @@ def serve_worker(model_dir, setting):
     weights = sum(w.value.nbytes for w in model.weights)
     engine = serve.Engine(model, [1, 8], [128], None)
     engine.warm_up()
-    row = {"setting": setting, "weights_mib": weights / 2**20, **{k: v for k, v in memory_mib().items()}}
+    row = {"setting": setting, "weights_mib": weights / 2**20, **{k: v for k, v in memory_mib().items()},
+           "read_gb_s": read_bandwidth() / 1e9}
+    row["limit_tok_s_batch1"] = row["read_gb_s"] * 1e9 / weights
     rng = np.random.default_rng(0)
     for batch in (1, 8):
         def generations():
@@ -107,14 +127,18 @@ def main():
             training.append(train(args.model, setting, work))
             print(training[-1], flush=True)
 
-    print("\n| serving | weights MiB | RSS after warm-up MiB | peak RSS MiB | decode tok/s batch 1 | batch 8 |")
-    print("|---|---|---|---|---|---|")
+    print("\n| serving | weights MiB | RSS after warm-up MiB | peak RSS MiB | decode tok/s batch 1 | limit (read GB/s) "
+          "| of limit | batch 8 | of 8x limit |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for row in serving:
         if "error" in row:
-            print(f"| {row['setting']} | failed: {row['error'][-120:]!r} |||||")
+            print(f"| {row['setting']} | failed: {row['error'][-120:]!r} ||||||||")
             continue
+        limit = row["limit_tok_s_batch1"]
         print(f"| {row['setting']} | {row['weights_mib']:,.0f} | {row['VmRSS_after_warm_up']:,.0f} | "
-              f"{row['VmHWM_peak']:,.0f} | {row['decode_tok_s_batch1']:.1f} | {row['decode_tok_s_batch8']:.1f} |")
+              f"{row['VmHWM_peak']:,.0f} | {row['decode_tok_s_batch1']:.1f} | {limit:.1f} ({row['read_gb_s']:.1f}) | "
+              f"{row['decode_tok_s_batch1'] / limit:.0%} | {row['decode_tok_s_batch8']:.1f} | "
+              f"{row['decode_tok_s_batch8'] / (8 * limit):.0%} |")
     if training:
         print("\n| training (demo's 40 steps) | ms/step | eval loss before -> after | peak RSS GiB |\n|---|---|---|---|")
         for row in training:
