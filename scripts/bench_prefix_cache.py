@@ -46,6 +46,8 @@ def parse_args():
                    help="transformers-layout Gemma dir (converted from the PyPI GGUF when missing)")
     p.add_argument("--seconds", type=float, default=60, help="measurement window of each load")
     p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--mixed-only", action="store_true",
+                   help="only the no-shared-prefix load, on a fresh server each (to re-check the cache's overhead)")
     return p.parse_args()
 
 
@@ -142,6 +144,10 @@ def run_server(name, flags, args, env):
             warm_up = time.time() - started
             compiles = metric(url, "serve_compilations_total")
             stream_chat(url, [{"role": "user", "content": "Hi"}], 4)  # settle
+            if args.mixed_only:
+                mixed = mixed_load(url, args.clients, args.seconds)
+                print(f"{name}: no shared prefix {mixed:.3f} requests/s", flush=True)
+                return {"mixed": mixed}
             ttfts, rps = shared_system_load(url, args.clients, args.seconds)
             print(f"{name}: shared system prompt {rps:.3f} requests/s, TTFT p50 {statistics.median(ttfts):.2f}s",
                   flush=True)
@@ -170,6 +176,10 @@ def main():
     results = {"off": run_server("off", ["--prefix-cache-blocks", "0"], args, env),
                "on": run_server("on", [], args, env)}
     off, on = results["off"], results["on"]
+    if args.mixed_only:
+        print(f"\nno shared prefix, fresh servers: {off['mixed']:.3f} requests/s off, {on['mixed']:.3f} on: "
+              f"{on['mixed'] / off['mixed']:.3f}×")
+        return
 
     def p(values, q):
         return sorted(values)[int(q * (len(values) - 1))]
