@@ -59,6 +59,7 @@ TEMPLATES = {
 CANDIDATES = 128
 TOP_LOGPROBS = 20  # most alternatives a request may ask log-probabilities for (OpenAI's limit)
 DECODE_CHUNK = 4  # tokens decoded per dispatch to the device
+UNROLL_FROM_BYTES = 64 << 20  # weights from which a decode chunk is unrolled (see decode_chunk)
 SAMPLER_DEFAULTS = {  # keras-hub's samplers' defaults: the article's "top_k" is TopKSampler(k=5)
     "greedy": {"temperature": 0.0, "top_k": CANDIDATES, "top_p": 1.0},
     "top_k": {"temperature": 1.0, "top_k": 5, "top_p": 1.0},
@@ -988,8 +989,8 @@ def apply_token_mask(logits, masks):
     return jnp.where(allowed, logits, -jnp.inf)
 
 
-def decode_chunk(model, variables, adapters, axes, values, cache, window, steps, masks, tokens, positions, tables,
-                 slots, *sampling):
+def decode_chunk(model, variables, adapters, axes, unroll, values, cache, window, steps, masks, tokens, positions,
+                 tables, slots, *sampling):
     """`steps` tokens per dispatch (the host pays its per-call cost once every few tokens), attending over
     only the first `window` positions: attention and cache traffic grow with the window, and no row in
     the batch has got further than it yet. With grammar `masks` (None: no row has a grammar) the step is
@@ -1007,11 +1008,13 @@ def decode_chunk(model, variables, adapters, axes, values, cache, window, steps,
             logits = apply_token_mask(logits, masks)
         tokens, logprobs = sample(logits, at, *sampling)
         return (view, tokens), (tokens, logprobs)
-    # Unrolled: XLA lays out the weights and the cache for its dots after it has looked for loop-invariant
+    # `unroll`: XLA lays out the weights and the cache for its dots after it has looked for loop-invariant
     # code, so inside a loop it transposes the query/output kernels and copies each cache leaf on every
     # step. Unrolled, it does each once per chunk (Gemma 3 270M float32 on 2 CPU cores, 4 tokens at batch
-    # 8: 597 -> 446 ms over a 256 window, 1059 -> 801 ms over 1536; batch 1: 67 -> 50 ms a token).
-    (view, _), (sampled, logprobs) = jax.lax.scan(step, (view, tokens), jnp.arange(steps), unroll=True)
+    # 8: 597 -> 446 ms over a 256 window, 1059 -> 801 ms over 1536; batch 1: 67 -> 50 ms a token), for
+    # twice the compile time: the Engine unrolls from UNROLL_FROM_BYTES of weights, below which the copies
+    # cost less than the compiling.
+    (view, _), (sampled, logprobs) = jax.lax.scan(step, (view, tokens), jnp.arange(steps), unroll=unroll)
     cache = jax.tree.map(lambda c, v, axis: jax.lax.dynamic_update_slice_in_dim(c, v, 0, axis=axis),
                          cache, view, axes)
     return (sampled, logprobs), cache
@@ -1151,6 +1154,7 @@ class Engine:
         self.values = [v.value for v in self.variables]
         self.top_logprobs = min(TOP_LOGPROBS, CANDIDATES, model.backbone.vocabulary_size)
         self.axes = cache_position_axes(model)
+        self.unroll = sum(value.nbytes for value in self.values) >= UNROLL_FROM_BYTES
         bound = functools.partial
         self._prefill = jax.jit(bound(prefill, model, self.variables, adapters))
         self._prefill_after_prefix = jax.jit(bound(prefill_after_prefix, model, self.variables, adapters))
@@ -1176,7 +1180,7 @@ class Engine:
         layout = None if self.distribution is None else jax.tree.map(
             lambda s: self.distribution.get_data_layout(s.shape).backend_layout, shapes)
         new_cache = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), out_shardings=layout)
-        decode = functools.partial(decode_chunk, self.model, self.variables, self.adapters, self.axes)
+        decode = functools.partial(decode_chunk, self.model, self.variables, self.adapters, self.axes, self.unroll)
         return (new_cache, jax.jit(functools.partial(insert, self.axes), donate_argnums=(0,), out_shardings=layout),
                 jax.jit(decode, static_argnums=(2, 3), donate_argnums=(1,), out_shardings=((None, None), layout)))
 
@@ -1268,7 +1272,8 @@ class Engine:
                 decoding.step(window)
                 decoding.step(window, masked=True)
             log(f"warm-up: batch {batch}: compiled decode over windows {','.join(map(str, self.length_buckets))}"
-                f" and prompt blocks {','.join(map(str, self.prompt_blocks))} in {time.time() - started:.1f}s")
+                f" and prompt blocks {','.join(map(str, self.prompt_blocks))} in {time.time() - started:.1f}s"
+                f"{' (decode chunks unrolled)' if self.unroll else ''}")
         self.prefix = prefix
         if self.prefix is not None:
             started, size = time.time(), self.prefix.block_tokens

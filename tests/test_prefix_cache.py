@@ -69,6 +69,14 @@ def test_decode_with_local_layers_attending_their_window_equals_keras_hub_over_t
         np.testing.assert_allclose(np.asarray(logits), expected[[0, 1], positions], atol=1e-5)
         positions = positions + 1
     assert "_compute_attention" not in vars(backbone.transformer_layers[0].attention)  # the class's own again
+    # A decode chunk unrolled (what large models get) samples what the looped one does.
+    sampling = (np.zeros(2, np.float32), np.full(2, 128, np.int32), np.ones(2, np.float32), np.zeros(2, np.uint32))
+    chunks = [serve.decode_chunk(model, variables, None, axes, unroll, values, cache, length, 2, None, tokens,
+                                 np.array(starts, np.int32), {}, np.zeros(2, np.int32), *sampling)[0]
+              for unroll in (False, True)]
+    (looped, looped_logprobs), (unrolled, unrolled_logprobs) = chunks
+    assert np.asarray(looped).tolist() == np.asarray(unrolled).tolist()
+    np.testing.assert_allclose(np.asarray(looped_logprobs[0]), np.asarray(unrolled_logprobs[0]), atol=1e-5)
 
 
 @pytest.mark.parametrize("axis, shape", [(1, (1, 32, 2, 3)),           # Gemma 3: per-layer (batch, length, heads, dim)
