@@ -71,9 +71,9 @@ def serve_worker(model_dir, setting):
     weights = sum(w.value.nbytes for w in model.weights)
     engine = serve.Engine(model, [1, 8], [128], None)
     engine.warm_up()
+    bandwidth = read_bandwidth()
     row = {"setting": setting, "weights_mib": weights / 2**20, **{k: v for k, v in memory_mib().items()},
-           "read_gb_s": read_bandwidth() / 1e9}
-    row["limit_tok_s_batch1"] = row["read_gb_s"] * 1e9 / weights
+           "read_gb_s": bandwidth / 1e9, "limit_tok_s_batch1": bandwidth / weights}
     rng = np.random.default_rng(0)
     for batch in (1, 8):
         def generations():
