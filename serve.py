@@ -1276,8 +1276,9 @@ class Engine:
                 f"{' (decode chunks unrolled)' if self.unroll else ''}")
         self.prefix = prefix
         if self.prefix is not None:
+            import jax
             started, size = time.time(), self.prefix.block_tokens
-            scratch = self.prefix.scratch
+            scratch, outputs = self.prefix.scratch, []
             for length in self.prompt_blocks:
                 row = self._prefill(self.values, self.tokens([self.bos], length), self.lora_tables, np.int32(0))
                 self.pool = self._store(self.pool, row, np.zeros(length // size, np.int32),
@@ -1285,8 +1286,11 @@ class Engine:
                 if length in self.length_buckets:
                     row = self._gather(self.pool, np.full(length // size, scratch, np.int32))
                     for suffix in (s for s in self.prompt_blocks if s <= length - size):
-                        self._prefill_after_prefix(self.values, row, self.tokens([self.bos], suffix), np.int32(size),
-                                                   self.lora_tables, np.int32(0))
+                        outputs.append(self._prefill_after_prefix(self.values, row, self.tokens([self.bos], suffix),
+                                                                  np.int32(size), self.lora_tables, np.int32(0)))
+            # Dispatch is asynchronous: unwaited, these prefills (seconds of work on a CPU) would still be
+            # running when the first requests come, and delay them (Gemma 3 270M: 3 s more for the first 8).
+            jax.block_until_ready((self.pool, outputs))
             log(f"warm-up: prefix cache of {self.prefix.blocks} blocks of {size} tokens "
                 f"({self.pool_bytes / 2**20:,.1f} MiB): compiled its copies and the prefills after a prefix in "
                 f"{time.time() - started:.1f}s")
@@ -1294,7 +1298,7 @@ class Engine:
             import jax
             slots = self.adapters
             empty = jax.tree.map(lambda t: np.zeros(t.shape[1:], t.dtype), slots.tables)
-            slots._write(slots.tables, np.int32(0), slots.put(empty))
+            jax.block_until_ready(slots._write(slots.tables, np.int32(0), slots.put(empty)))
             log(f"warm-up: {slots.max_adapters} adapter slots of rank {slots.max_rank} on "
                 f"{','.join(slots.modules)}: {slots.slot_bytes / 2**20:,.1f} MiB each")
 
