@@ -829,9 +829,10 @@ class AdapterSlots:
 # (AdapterSlots or None), `axes` (each cache leaf's position axis). Engine binds them, jits each
 # once, and every shape it will ever be called with is compiled at warm-up.
 #
-# The KV cache is a family-specific pytree (Gemma 1/2: one stacked array; Gemma 3: per-layer
-# (key, value) tuples). Which axis of each leaf is the position one is read off abstract shapes, so
-# no layout is assumed; the prefix-cache pool holds the same leaves cut into blocks of positions.
+# The KV cache is a tuple with one entry per layer (Gemma 1/2: a [batch, 2, length, heads, head_dim]
+# array; Gemma 3: a (key, value) pair). Which axis of each leaf is the position one is read off
+# abstract shapes, so no layout is assumed; the prefix-cache pool holds the same leaves cut into
+# blocks of positions.
 
 def run_stateless(variables, values, fn):
     """fn() with the model's variables read from `values`, as a jitted function must."""
@@ -848,9 +849,39 @@ def with_adapter(adapters, tables, slot, fn):
         return fn()
 
 
+def stacks_its_cache(model):
+    """Gemma 1/2: keras-hub keeps every layer's cache in one stacked array."""
+    import keras_hub
+    return isinstance(model, keras_hub.models.GemmaCausalLM)
+
+
+def cached_call(model, token_ids, cache, index):
+    """keras-hub's `call_with_cache` -> (logits, hidden states, cache), with Gemma 1/2's cache per layer,
+    as Gemma 3's already is. keras-hub slices Gemma 1/2's stacked cache and stacks it anew on every call,
+    so each decoded token copies the whole cache (gemma_2b, 16 rows over 1,536 positions: 450 MB)."""
+    if not stacks_its_cache(model):
+        return model.call_with_cache(token_ids, cache, index)
+    import keras
+    backbone = model.backbone
+    x = backbone.token_embedding(token_ids)
+    x = x * keras.ops.cast(keras.ops.sqrt(backbone.hidden_dim), x.dtype)
+    caches = []
+    for layer, layer_cache in zip(backbone.transformer_layers, cache):
+        x, layer_cache = layer(x, cache=layer_cache, cache_update_index=index)
+        caches.append(layer_cache)
+    hidden_states = backbone.layer_norm(x)
+    return backbone.token_embedding(hidden_states, reverse=True), hidden_states, tuple(caches)
+
+
 def build_cache(model, token_ids):
     """keras-hub's prefill: the KV cache of `token_ids` from position 0."""
     import inspect
+    if stacks_its_cache(model):
+        import keras
+        backbone = model.backbone
+        shape = (token_ids.shape[0], 2, token_ids.shape[1], backbone.num_key_value_heads, backbone.head_dim)
+        empty = tuple(keras.ops.zeros(shape, model.compute_dtype) for _ in backbone.transformer_layers)
+        return cached_call(model, token_ids, empty, 0)[2]
     if len(inspect.signature(model._build_cache).parameters) > 1:  # Gemma 3 takes image inputs too
         return model._build_cache(token_ids, None, None, None, None)[1]
     return model._build_cache(token_ids)[1]
@@ -884,7 +915,7 @@ def prefill_after_prefix(model, variables, adapters, values, row_cache, token_id
     prefix-cache pool): keras-hub's cached call writes the rest as one chunk at `start`, and its causal
     mask and RoPE follow that index. The logits are dropped, so XLA never computes them."""
     def run():
-        return model.call_with_cache(token_ids, row_cache, start)[2]
+        return cached_call(model, token_ids, row_cache, start)[2]
     return run_stateless(variables, values, lambda: with_adapter(adapters, tables, slot, run))
 
 
@@ -945,8 +976,8 @@ def forward(model, variables, adapters, values, cache, tokens, positions, tables
 
     def one_row(row_cache, token, position, slot):
         row_cache = jax.tree.map(lambda c: c[None], row_cache)
-        logits, _, row_cache = with_adapter(adapters, tables, slot, lambda: model.call_with_cache(
-            token[None, None], row_cache, position))
+        logits, _, row_cache = with_adapter(adapters, tables, slot, lambda: cached_call(
+            model, token[None, None], row_cache, position))
         return logits[0, 0], jax.tree.map(lambda c: c[0], row_cache)
     with local_attention_in_its_window(model):
         return run_stateless(variables, values, lambda: jax.vmap(one_row)(cache, tokens, positions, slots))

@@ -38,6 +38,32 @@ def test_insert_writes_one_row_of_a_hand_made_cache():
     assert np.asarray(out[0])[[0, 2]].max() == 0 and np.asarray(out[0])[1, 4:].max() == 0
 
 
+def decode_row_by_row_against_the_whole_sequence(model, length=16, starts=(3, 6)):
+    """Prefills two rows to different positions, inserts them into one batch cache and decodes token by
+    token with forward(): every step's logits must be keras-hub's own full-sequence call. Returns the
+    batch cache and what the decode needs to go on."""
+    import jax
+    backbone = model.backbone
+    ids = np.random.default_rng(0).integers(1, 64, (2, 14)).astype(np.int32)
+    hidden = backbone({"token_ids": ids, "padding_mask": np.ones_like(ids)})
+    expected = np.asarray(backbone.token_embedding(hidden, reverse=True))
+    variables = model.variables
+    values = [v.value for v in variables]
+    rows = [serve.prefill(model, variables, None, values, ids[i:i + 1, :start], {}, np.int32(0))
+            for i, start in enumerate(starts)]
+    cache = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), serve.cache_shapes(model, 2, length))
+    axes = serve.cache_position_axes(model)
+    for i, row in enumerate(rows):
+        cache = serve.insert(axes, cache, row, i)
+    positions = np.array(starts, np.int32)
+    for _ in range(14 - max(starts)):
+        tokens = ids[[0, 1], positions]
+        logits, cache = serve.forward(model, variables, None, values, cache, tokens, positions, {}, np.zeros(2, np.int32))
+        np.testing.assert_allclose(np.asarray(logits), expected[[0, 1], positions], atol=1e-5)
+        positions = positions + 1
+    return cache, axes, ids[[0, 1], positions - 1], variables, values
+
+
 def test_decode_with_local_layers_attending_their_window_equals_keras_hub_over_the_whole_sequence():
     """forward() reads only a sliding-window layer's window of the cache; the logits must be keras-hub's
     own full-sequence call, for rows at different positions in one batch, before and past the window."""
@@ -49,25 +75,8 @@ def test_decode_with_local_layers_attending_their_window_equals_keras_hub_over_t
         intermediate_dim=32, head_dim=8, use_sliding_window_attention=True, sliding_window_size=4, dtype="float32")
     model = keras_hub.models.Gemma3CausalLM(backbone=backbone, preprocessor=None)
     assert [layer.attention.use_sliding_window_attention for layer in backbone.transformer_layers] == [True] * 5 + [False]
-    ids = np.random.default_rng(0).integers(1, 64, (2, 14)).astype(np.int32)
-    hidden = backbone({"token_ids": ids, "padding_mask": np.ones_like(ids)})
-    expected = np.asarray(backbone.token_embedding(hidden, reverse=True))
-    variables = model.variables
-    values = [v.value for v in variables]
     length, starts = 16, (3, 6)  # row 0 begins inside the window, row 1 past it
-    rows = [serve.prefill(model, variables, None, values, ids[i:i + 1, :start], {}, np.int32(0))
-            for i, start in enumerate(starts)]
-    import jax
-    cache = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), serve.cache_shapes(model, 2, length))
-    axes = serve.cache_position_axes(model)
-    for i, row in enumerate(rows):
-        cache = serve.insert(axes, cache, row, i)
-    positions = np.array(starts, np.int32)
-    for _ in range(14 - max(starts)):
-        tokens = ids[[0, 1], positions]
-        logits, cache = serve.forward(model, variables, None, values, cache, tokens, positions, {}, np.zeros(2, np.int32))
-        np.testing.assert_allclose(np.asarray(logits), expected[[0, 1], positions], atol=1e-5)
-        positions = positions + 1
+    cache, axes, tokens, variables, values = decode_row_by_row_against_the_whole_sequence(model, length, starts)
     assert "_compute_attention" not in vars(backbone.transformer_layers[0].attention)  # the class's own again
     # A decode chunk unrolled (what large models get) samples what the looped one does.
     sampling = (np.zeros(2, np.float32), np.full(2, 128, np.int32), np.ones(2, np.float32), np.zeros(2, np.uint32))
@@ -79,8 +88,27 @@ def test_decode_with_local_layers_attending_their_window_equals_keras_hub_over_t
     np.testing.assert_allclose(np.asarray(looped_logprobs[0]), np.asarray(unrolled_logprobs[0]), atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["gemma", "gemma2"])
+def test_gemma_1_and_2_decode_over_a_cache_per_layer_as_keras_hub_computes_the_sequence(family):
+    """keras-hub stacks Gemma 1/2's layers into one cache array; the engine keeps one per layer (no
+    restacking per token). Gemma 2 adds logit soft-caps, post-norms and local layers (every other one)."""
+    import keras
+    import keras_hub
+    keras.utils.set_random_seed(0)
+    gemma2 = dict(query_head_dim_normalize=False, use_post_ffw_norm=True, use_post_attention_norm=True,
+                  final_logit_soft_cap=30.0, attention_logit_soft_cap=50.0, use_sliding_window_attention=True,
+                  sliding_window_size=4)
+    backbone = keras_hub.models.GemmaBackbone(
+        vocabulary_size=64, num_layers=4, num_query_heads=2, num_key_value_heads=1, hidden_dim=16, intermediate_dim=32,
+        head_dim=8, dtype="float32", **(gemma2 if family == "gemma2" else {}))
+    model = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+    shapes = serve.cache_shapes(model, 2, 16)
+    assert isinstance(shapes, tuple) and [s.shape for s in shapes] == [(2, 2, 16, 1, 8)] * 4
+    decode_row_by_row_against_the_whole_sequence(model)
+
+
 @pytest.mark.parametrize("axis, shape", [(1, (1, 32, 2, 3)),           # Gemma 3: per-layer (batch, length, heads, dim)
-                                         (3, (1, 2, 2, 32, 1, 3))])    # Gemma 1/2: (batch, layers, 2, length, …)
+                                         (2, (1, 2, 32, 1, 3))])       # Gemma 1/2: per-layer (batch, 2, length, …)
 def test_pool_blocks_store_and_gather_back_exactly(axis, shape):
     rng = np.random.default_rng(0)
     row = rng.standard_normal(shape).astype(np.float32)
