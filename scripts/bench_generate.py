@@ -20,6 +20,7 @@ engine is faster).
 """
 import argparse
 import importlib.util
+import os
 import random
 import statistics
 import sys
@@ -30,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serve import WORDS, make_bench_model  # noqa: E402
+from bench_serve import WORDS, make_bench_model, prompts  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -56,11 +57,7 @@ def import_serve(path):
 def workload(encode, bos, n, seed=0):
     """(prompt ids, max_tokens) for n requests of bench_serve.py's mix."""
     rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        text = "Instruction:\n" + " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 60))) + "\n\nResponse:\n"
-        out.append(([bos] + encode(text), rng.choice([16, 32, 48, 64])))
-    return out
+    return [([bos] + encode(text), rng.choice([16, 32, 48, 64])) for text, _ in prompts(encode, n, seed)]
 
 
 def equal_requests(encode, bos, n, prompt_tokens=32, new_tokens=64):
@@ -111,7 +108,6 @@ def timed(fn, runs):
 
 def main():
     args = parse_args()
-    import os
     os.environ.setdefault("KERAS_BACKEND", "jax")
     serve = import_serve(args.serve)
     work = tempfile.TemporaryDirectory()
