@@ -323,3 +323,64 @@ def test_blocks_whose_write_failed_are_forgotten_and_reused():
     assert cache.match(keys) == [] and cache.used() == 0
     cache.release(written)
     assert sorted(b for _, b in cache.allocate(cache.keys([5, 6, 7, 8], 0))) == sorted(written)
+
+
+# ----------------------------------------------------------------------------- long chunks (no one waits)
+
+def decode_alone(engine, generation, steps=None):
+    """Decodes one generation alone in a batch of 1, every chunk `steps` long (None: as a quiet worker
+    chooses); returns the positions each chunk advanced the row by."""
+    decoding = serve.DecodeBatch(engine, 1)
+    decoding.admit(generation)
+    advanced = []
+    while decoding.active:
+        before = int(decoding.positions[0])
+        decoding.step(steps=steps, quiet=steps is None)
+        advanced.append(int(decoding.positions[0]) - before)
+    serve.release_all([generation])
+    return advanced
+
+
+@pytest.mark.parametrize("sampling, seed", [(serve.SAMPLER_DEFAULTS["greedy"], 0),
+                                            ({"temperature": 0.9, "top_k": 40, "top_p": 0.9}, 7)])
+def test_a_lone_request_in_long_chunks_gets_the_tokens_and_logprobs_of_short_ones(engine, sampling, seed):
+    prompt = [engine.bos] + list(range(500, 520))
+    short, long = (serve.Generation(prompt, 37, sampling, seed, [], None, logprobs=3) for _ in range(2))
+    assert decode_alone(engine, short, serve.DECODE_CHUNK) == [serve.DECODE_CHUNK] * 10
+    # 37 tokens: two full long chunks, then the last 5 need one more chunk of which 8 steps run.
+    assert decode_alone(engine, long) == [serve.LONG_CHUNK, serve.LONG_CHUNK, 2 * serve.DECODE_CHUNK]
+    assert long.ids == short.ids and len(long.ids) == 37 and long.finish_reason == "length"
+    for (t1, lp1, top1), (t2, lp2, top2) in zip(long.token_logprobs, short.token_logprobs):
+        assert t1 == t2 and [i for i, _ in top1] == [i for i, _ in top2]
+        np.testing.assert_allclose([lp1] + [p for _, p in top1], [lp2] + [p for _, p in top2], atol=1e-5)
+
+
+def test_a_long_chunk_ends_with_the_short_chunk_in_which_its_row_stopped(engine):
+    prompt = [engine.bos] + list(range(600, 630))
+    sampling = {"temperature": 1.0, "top_k": serve.CANDIDATES, "top_p": 1.0}  # varied tokens, seeded
+    reference = serve.Generation(prompt, 12, sampling, 3, [], None)
+    decode_alone(engine, reference, serve.DECODE_CHUNK)
+    # A token first made in the second short chunk (positions 4-7) becomes a stop token.
+    at = next(k for k in range(4, 8) if reference.ids[k] not in reference.ids[:k])
+    stop = reference.ids[at]
+    saved = engine.stop_ids
+    engine.stop_ids = saved | {stop}
+    try:
+        stopped = serve.Generation(prompt, 40, sampling, 3, [], None)
+        assert decode_alone(engine, stopped) == [2 * serve.DECODE_CHUNK]  # not LONG_CHUNK: 8 steps ran, then none
+    finally:
+        engine.stop_ids = saved
+    assert stopped.ids == reference.ids[:at] and stopped.finish_reason == "stop"
+
+
+def test_streamed_and_waited_on_rows_keep_short_chunks(engine):
+    prompt = [engine.bos] + list(range(700, 710))
+    import queue
+    streamed = serve.Generation(prompt, 20, serve.SAMPLER_DEFAULTS["greedy"], 0, [], queue.Queue())
+    assert set(decode_alone(engine, streamed)[1:]) == {serve.DECODE_CHUNK}  # after the 1-token first step
+    decoding = serve.DecodeBatch(engine, 1)
+    waited_on = serve.Generation(prompt, 20, serve.SAMPLER_DEFAULTS["greedy"], 0, [], None)
+    decoding.admit(waited_on)
+    decoding.step(quiet=False)  # a request waits for a row: it gets one after a short chunk
+    assert decoding.positions[0] == len(prompt) - 1 + serve.DECODE_CHUNK
+    serve.release_all([waited_on])

@@ -175,6 +175,7 @@ def test_seeded_sampling_is_reproducible_alone_and_batched(server):
 def test_no_compilation_after_warm_up(server):
     before = server.metric("serve_compilations_total")
     assert before > 0
+    post(server, {"prompt": "alone", "max_tokens": 40})  # no request waits: long chunks
     requests = [{"prompt": "a", "max_tokens": 1}, {"prompt": ARTICLE_PROMPT * 3, "max_tokens": 100},
                 {"prompt": "b", "max_tokens": 9, "temperature": 0.3, "top_p": 0.5, "seed": 5, "stop": ["x"]},
                 {"instruction": "c", "context": "d", "max_tokens": 40, "top_k": 3}]
