@@ -1493,7 +1493,7 @@ class DecodeBatch:
         elif steps is None:
             # Streamed rows keep DECODE_CHUNK: a long chunk would hold back their text for LONG_CHUNK tokens.
             steps = LONG_CHUNK if (quiet and self.decode_long is not None and all(g.events is None for _, g in busy)
-                                   and max(g.max_tokens - len(g.ids) for _, g in busy) > DECODE_CHUNK) else DECODE_CHUNK
+                                   and max((g.max_tokens - len(g.ids) for _, g in busy), default=0) > DECODE_CHUNK) else DECODE_CHUNK
         if self.sampling is None:
             self.sampling = [engine.put(a) for a in (self.slots, self.temperature, self.top_k, self.top_p, self.seeds)]
         if window is None:
@@ -1506,7 +1506,7 @@ class DecodeBatch:
             stop_ids = np.full(8, -1, np.int32)  # one shape, whatever the model's stop tokens
             stop_ids[:len(engine.stop_ids)] = sorted(engine.stop_ids)
             ((sampled, logprobs), made), self.cache = self.decode_long(
-                engine.values, self.cache, window, steps, *inputs, engine.put(remaining), engine.put(stop_ids),
+                engine.values, self.cache, window, steps, *inputs, engine.put(remaining), engine.put(stop_ids, replicated=True),
                 engine.lora_tables, *self.sampling)
             made = int(made)
         else:
