@@ -1353,8 +1353,9 @@ class Engine:
     def warm_up(self):
         """Compiles every program once, so requests never compile: per batch size, decode over each
         window (a chunk of DECODE_CHUNK tokens, one masked token for grammars and, in the smallest batch,
-        up to LONG_CHUNK tokens) and an insert for each prompt block; per prompt block, a prefill; with a prefix cache, per window a gather and a
-        prefill after each prefix length that fits, per block a pool write."""
+        up to LONG_CHUNK tokens) and an insert for each prompt block; per prompt block, a prefill; with a
+        prefix cache, per window a gather and a prefill after each prefix length that fits, per block a
+        pool write."""
         prefix, self.prefix = self.prefix, None  # warm-up prompts must take the plain prefill, every block of it
         for batch in self.batch_buckets:
             started = time.time()
@@ -1492,8 +1493,9 @@ class DecodeBatch:
             steps = 1
         elif steps is None:
             # Streamed rows keep DECODE_CHUNK: a long chunk would hold back their text for LONG_CHUNK tokens.
-            steps = LONG_CHUNK if (quiet and self.decode_long is not None and all(g.events is None for _, g in busy)
-                                   and max((g.max_tokens - len(g.ids) for _, g in busy), default=0) > DECODE_CHUNK) else DECODE_CHUNK
+            long = (quiet and self.decode_long is not None and all(g.events is None for _, g in busy)
+                    and max((g.max_tokens - len(g.ids) for _, g in busy), default=0) > DECODE_CHUNK)
+            steps = LONG_CHUNK if long else DECODE_CHUNK
         if self.sampling is None:
             self.sampling = [engine.put(a) for a in (self.slots, self.temperature, self.top_k, self.top_p, self.seeds)]
         if window is None:
@@ -1506,8 +1508,8 @@ class DecodeBatch:
             stop_ids = np.full(8, -1, np.int32)  # one shape, whatever the model's stop tokens
             stop_ids[:len(engine.stop_ids)] = sorted(engine.stop_ids)
             ((sampled, logprobs), made), self.cache = self.decode_long(
-                engine.values, self.cache, window, steps, *inputs, engine.put(remaining), engine.put(stop_ids, replicated=True),
-                engine.lora_tables, *self.sampling)
+                engine.values, self.cache, window, steps, *inputs, engine.put(remaining),
+                engine.put(stop_ids, replicated=True), engine.lora_tables, *self.sampling)
             made = int(made)
         else:
             (sampled, logprobs), self.cache = self.decode(engine.values, self.cache, window, steps,
