@@ -1,6 +1,7 @@
 """Automatic prefix caching in serve.py, and the engine's steps called one by one."""
 import concurrent.futures
 import json
+import queue
 import urllib.request
 
 import numpy as np
@@ -375,9 +376,9 @@ def test_a_long_chunk_ends_with_the_short_chunk_in_which_its_row_stopped(engine)
 
 def test_streamed_and_waited_on_rows_keep_short_chunks(engine):
     prompt = [engine.bos] + list(range(700, 710))
-    import queue
     streamed = serve.Generation(prompt, 20, serve.SAMPLER_DEFAULTS["greedy"], 0, [], queue.Queue())
-    assert set(decode_alone(engine, streamed)[1:]) == {serve.DECODE_CHUNK}  # after the 1-token first step
+    first, *rest = decode_alone(engine, streamed)
+    assert first == 1 and set(rest) == {serve.DECODE_CHUNK}  # the first token alone, as soon as it is made
     decoding = serve.DecodeBatch(engine, 1)
     waited_on = serve.Generation(prompt, 20, serve.SAMPLER_DEFAULTS["greedy"], 0, [], None)
     decoding.admit(waited_on)

@@ -70,7 +70,10 @@ def test_demo_fine_tunes_and_answers(demo):
 
 @pytest.fixture(scope="module")
 def tuned_server(demo, start_server):
-    return start_server(demo[0] / "gemma3-270m-dolly-lora", "--max-batch-size", "2", "--length-buckets", "320")
+    # demo.sh served the same model with the same flags: its compile cache holds every program (a restart
+    # that loads them instead of compiling, as `--compile-cache` is for).
+    return start_server(demo[0] / "gemma3-270m-dolly-lora", "--max-batch-size", "2", "--length-buckets", "320",
+                        "--compile-cache", str(demo[0] / "xla-cache"))
 
 
 def capital_of_france(server):
