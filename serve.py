@@ -1267,16 +1267,12 @@ class Engine:
         layout = None if self.distribution is None else jax.tree.map(
             lambda s: self.distribution.get_data_layout(s.shape).backend_layout, shapes)
         new_cache = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), out_shardings=layout)
-        bound = functools.partial(decode_chunk, self.model, self.variables, self.adapters, self.axes, self.unroll)
-        decode = jax.jit(bound, static_argnums=(2, 3), donate_argnums=(1,), out_shardings=((None, None), layout))
-        decode_long = None
-        if long:
-            bound = functools.partial(decode_until_done, self.model, self.variables, self.adapters, self.axes,
-                                      self.unroll)
-            decode_long = jax.jit(bound, static_argnums=(2, 3), donate_argnums=(1,),
-                                  out_shardings=((None, None), layout))
+
+        def decoder(fn):  # (values, cache, window, steps, ...) -> (outputs, cache), the cache donated
+            return jax.jit(functools.partial(fn, self.model, self.variables, self.adapters, self.axes, self.unroll),
+                           static_argnums=(2, 3), donate_argnums=(1,), out_shardings=((None, None), layout))
         return (new_cache, jax.jit(functools.partial(insert, self.axes), donate_argnums=(0,), out_shardings=layout),
-                decode, decode_long)
+                decoder(decode_chunk), decoder(decode_until_done) if long else None)
 
     @property
     def lora_tables(self):
@@ -1503,8 +1499,9 @@ class DecodeBatch:
         inputs = engine.put(self.tokens), engine.put(self.positions)
         if steps == LONG_CHUNK:
             remaining = np.zeros(self.size, np.int32)  # free rows: none
-            for row, g in busy:  # a row also ends where the cache does
-                remaining[row] = min(g.max_tokens - len(g.ids), self.length - 1 - self.positions[row])
+            for row, g in busy:  # a row also ends where the cache does; at its end it still runs one chunk,
+                # after which the check below finishes it, as after a short chunk
+                remaining[row] = max(1, min(g.max_tokens - len(g.ids), self.length - 1 - self.positions[row]))
             stop_ids = np.full(8, -1, np.int32)  # one shape, whatever the model's stop tokens
             stop_ids[:len(engine.stop_ids)] = sorted(engine.stop_ids)
             ((sampled, logprobs), made), self.cache = self.decode_long(
@@ -1517,8 +1514,6 @@ class DecodeBatch:
                                                           engine.lora_tables, *self.sampling)
             made = steps
         sampled = np.asarray(sampled)
-        if not made:  # every row had already ended (only the warm-up asks for that)
-            return
         if any(g.logprobs is not None for _, g in busy):  # fetched only when asked for
             logprobs = [np.asarray(a) for a in logprobs]
         for row, generation in busy:
