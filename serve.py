@@ -391,7 +391,14 @@ def load_model(args):
     shapes = lora_kernel_shapes(model.backbone) if hasattr(model.backbone, "transformer_layers") else {}
     if args.quantize != "none":
         import keras
-        try:  # the dense layers and the embedding: all Gemma's big weights, as the issue's memory goal needs
+        # The dense layers and the embedding: all Gemma's big weights. The embedding is also the tied output
+        # head, the largest product of a decode step; quantized, its step reads a quarter of the bytes.
+        # keras' int8 layers quantize each row's activations and run an int8 x int8 dot. On XLA's CPU
+        # backend that dot is YNNPACK's, the fastest lowering measured (scripts/bench_lowering.py): about
+        # 10-13 GB/s of weights over two rows. A float32 or bfloat16 dot of the kernel converted in the graph
+        # runs at about 1 GB/s, a multiply-and-reduce at 0.4-8. (GPU and TPU compilers can fuse such a convert
+        # into the dot; not measured here.)
+        try:
             model.backbone.quantize(args.quantize, filters=lambda layer: isinstance(
                 layer, (keras.layers.Dense, keras.layers.EinsumDense, keras.layers.Embedding)))
         except Exception as e:
