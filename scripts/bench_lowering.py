@@ -11,13 +11,19 @@ one process:
 - multiply-and-reduce of the converted kernel (a loop fusion XLA emits itself);
 - int4: keras' packed nibbles unpacked in the graph, then the int8 dot; and XLA's own s4 type;
 - float32: the unquantized product, for reference;
-next to the read bandwidth of a jitted sum, and prints GB/s of weights read (int4: of its int8 size).
+next to the read bandwidth bench_memory.py measures (best of 10 jitted sums), and prints GB/s of
+weights read (int4: of its int8 size).
 """
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_memory import read_bandwidth  # noqa: E402  the limit bench_memory.py divides by
 
 
 def parse_args():
@@ -74,8 +80,7 @@ def main():
     import jax
     import jax.numpy as jnp
     rng = np.random.default_rng(0)
-    data = jnp.ones(64 << 20, jnp.float32)
-    bandwidth = data.nbytes / timed(jax.jit(jnp.sum), (data,), args.runs)
+    bandwidth = read_bandwidth()
     print(f"read bandwidth (jitted sum over 256 MiB): {bandwidth / 1e9:.1f} GB/s; {args.rows} activation rows\n")
     shapes = {"layers: 20 x (640x2048 + 2048x640)": [(640, 2048), (2048, 640)] * 20,
               "output head: 640 x 262,144": [(640, 262144)]}
