@@ -205,6 +205,30 @@ def test_an_unloaded_adapter_keeps_its_slot_until_its_last_generation_ends(tiny,
     assert yes.slot == 1 and slots.acquire("yes") is yes
 
 
+def test_prompts_prefilled_as_a_group_each_get_their_own_adapter(tiny, no_model, yes_model):
+    import jax
+    serve, model, shapes = tiny
+    vocabulary = model.preprocessor.tokenizer.get_vocabulary()
+    slots = serve.AdapterSlots(model.backbone, shapes, ["q_proj", "v_proj"], 2, 64, put=jax.device_put)
+    for name, path in (("no", no_model), ("yes", yes_model)):
+        slots.load(serve.read_adapter(name, path, model.backbone, shapes, vocabulary))
+    engine = serve.Engine(model, [4], [64], None, adapters=slots)
+    assert engine.group_sizes == [2, 4]
+    prompt = [engine.bos] + engine.encode(CHAT.format(QUESTIONS[0]))
+    row_slots = [0, slots.by_name["no"].slot, slots.by_name["yes"].slot, slots.by_name["no"].slot]
+    block = engine.block_for(len(prompt))
+    group = engine._prefill_group(engine.values, engine.tokens([prompt] * 4, block), engine.lora_tables,
+                                  np.array(row_slots, np.int32))
+    for slot, row in zip(row_slots, group):
+        alone = engine._prefill(engine.values, engine.tokens([prompt], block), engine.lora_tables, np.int32(slot))
+        for a, b in zip(jax.tree.leaves(row), jax.tree.leaves(alone)):
+            assert a.shape == b.shape
+            np.testing.assert_allclose(a, b, atol=1e-5)
+    # The adapters change the values each row keeps (they train the value projection), and differently.
+    values = [np.concatenate([np.ravel(leaf) for leaf in jax.tree.leaves(row)]) for row in group[:3]]
+    assert min(np.abs(values[i] - values[j]).max() for i, j in ((0, 1), (0, 2), (1, 2))) > 1e-3
+
+
 def test_peft_adapters_are_checked_against_the_base(tiny, no_model, tmp_path):
     from safetensors.numpy import load_file, save_file
     serve, model, shapes = tiny

@@ -1,5 +1,6 @@
 """Automatic prefix caching in serve.py, and the engine's steps called one by one."""
 import concurrent.futures
+import contextlib
 import json
 import queue
 import urllib.request
@@ -187,12 +188,75 @@ def test_a_cached_prefix_gives_the_same_cache_and_tokens_as_computing_it(engine)
                                atol=1e-4)
     row = serve.Generation(prompt, 1, serve.SAMPLER_DEFAULTS["greedy"], 0, [], None)
     cached_row, start = engine.prefill_row(row)
-    plain = engine._prefill(engine.values, engine.tokens(prompt, 64), engine.lora_tables, np.int32(0))
+    plain = engine._prefill(engine.values, engine.tokens([prompt], 64), engine.lora_tables, np.int32(0))
     assert start == 32
     import jax
     for c, p, axis in zip(jax.tree.leaves(cached_row), jax.tree.leaves(plain), jax.tree.leaves(engine.axes)):
         np.testing.assert_allclose(np.take(c, range(41), axis), np.take(p, range(41), axis), atol=1e-5)
     serve.release_all([row])
+
+
+@contextlib.contextmanager
+def counting(engine, name):
+    """Counts the calls of one of the engine's programs: yields the list they go into."""
+    calls, program = [], getattr(engine, name)
+
+    def counted(*args):
+        calls.append(args)
+        return program(*args)
+    setattr(engine, name, counted)
+    try:
+        yield calls
+    finally:
+        setattr(engine, name, program)
+
+
+def without_prefix_cache(engine, fn):
+    saved, engine.prefix = engine.prefix, None
+    try:
+        return fn()
+    finally:
+        engine.prefix = saved
+
+
+@pytest.mark.parametrize("sampling, seed", [(serve.SAMPLER_DEFAULTS["greedy"], 0),
+                                            ({"temperature": 0.9, "top_k": 40, "top_p": 0.9}, 11)])
+def test_prompts_admitted_together_are_prefilled_as_a_group_and_answer_as_alone(engine, sampling, seed):
+    # Both in 32-token blocks, and new to the pool (a prompt with a cached prefix is prefilled after it).
+    prompts = [[engine.bos] + list(range(start + seed, start + seed + 20)) for start in (800, 900)]
+    together = [serve.Generation(p, 12, sampling, seed, [], None, logprobs=3) for p in prompts]
+    with counting(engine, "_prefill_group") as groups:
+        engine.generate(together, 2)
+    assert len(groups) == 1 and groups[0][1].shape == (2, 32)  # one dispatch for both prompts
+    serve.release_all(together)
+    for prompt, grouped in zip(prompts, together):
+        alone = serve.Generation(prompt, 12, sampling, seed, [], None, logprobs=3)
+        without_prefix_cache(engine, lambda: engine.generate([alone], 1))
+        assert grouped.ids == alone.ids and len(alone.ids) == 12
+        for (t1, lp1, top1), (t2, lp2, top2) in zip(grouped.token_logprobs, alone.token_logprobs):
+            assert t1 == t2 and [i for i, _ in top1] == [i for i, _ in top2]
+            np.testing.assert_allclose([lp1] + [p for _, p in top1], [lp2] + [p for _, p in top2], atol=1e-5)
+
+
+def test_a_group_prefills_what_each_prompt_gets_alone_and_a_shared_prefix_waits_for_the_pool(engine):
+    """Three prompts admitted together: two fresh ones of one block go in a group; a third that begins
+    with the first one's two full blocks is prefilled after the group, from the pool."""
+    first = [engine.bos] + list(range(1000, 1040))  # 41 tokens: 2 full blocks, a 64-token block
+    other = [engine.bos] + list(range(1100, 1145))
+    sharing = first[:32] + list(range(1200, 1215))
+    rows = [serve.Generation(p, 1, serve.SAMPLER_DEFAULTS["greedy"], 0, [], None) for p in (first, other, sharing)]
+    with counting(engine, "_prefill_group") as groups:
+        caches = engine.prefill_rows(rows)
+    assert len(groups) == 1 and groups[0][1].shape == (2, 64)
+    assert [start for _, start in caches] == [0, 0, 32]
+    import jax
+    for prompt, (cache, _) in zip((first, other, sharing), caches):
+        plain = engine._prefill(engine.values, engine.tokens([prompt], 64), engine.lora_tables, np.int32(0))
+        for c, p, axis in zip(jax.tree.leaves(cache), jax.tree.leaves(plain), jax.tree.leaves(engine.axes)):
+            assert c.shape == p.shape
+            np.testing.assert_allclose(np.take(c, range(len(prompt)), axis), np.take(p, range(len(prompt)), axis),
+                                       atol=1e-5)
+    serve.release_all(rows)
 
 
 # ----------------------------------------------------------------------------- over HTTP

@@ -182,6 +182,10 @@ def test_no_compilation_after_warm_up(server):
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         list(pool.map(lambda b: post(server, b), requests * 3))
     post(server, {"prompt": "s", "max_tokens": 6, "stream": True}, path="/v1/completions")
+    groups = server.metric("serve_prefill_groups_total")
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:  # more than the 4 rows: some are admitted together
+        list(pool.map(lambda i: post(server, {"prompt": f"burst {i} " * (1 + i % 2 * 8), "max_tokens": 12}), range(8)))
+    assert server.metric("serve_prefill_groups_total") > groups
     # A prompt that only fits the largest bucket is prefilled in a block as long as the bucket.
     per_copy = post(server, {"prompt": ARTICLE_PROMPT, "max_tokens": 1})[1]["prompt_tokens"]
     status, answer, _ = post(server, {"prompt": ARTICLE_PROMPT * (290 // per_copy), "max_tokens": 1})
