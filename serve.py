@@ -1407,11 +1407,12 @@ class Engine:
                 prefix.forget([block for _, block in written])  # never match a block that was not written
                 raise
 
-    def prefill_row(self, generation):
+    def prefill_row(self, generation, keys=None):
         """The cache row of a generation's prompt: its longest cached prefix copied from the pool and the
         rest computed after it, or all of it computed. The prompt's new full blocks go into the pool,
-        held (with the ones it reused) until the generation ends. Returns (row cache, cached tokens)."""
-        keys = self.prefix_keys(generation)
+        held (with the ones it reused) until the generation ends. `keys`: its prefix_keys, when already
+        known. Returns (row cache, cached tokens)."""
+        keys = self.prefix_keys(generation) if keys is None else keys
         reused, start = self.match_prefix(generation, keys)
         row = self.compute_row(generation, reused, start)
         self.store_prefix(generation, keys, start, row)
@@ -1426,7 +1427,7 @@ class Engine:
         for generation in generations:
             keys = self.prefix_keys(generation)
             if keys and keys[0] in firsts:
-                after.append(generation)
+                after.append((generation, keys))
                 continue
             firsts.update(keys[:1])
             reused, start = self.match_prefix(generation, keys)
@@ -1452,8 +1453,8 @@ class Engine:
                 for (generation, keys), row in zip(group, rows):
                     self.store_prefix(generation, keys, 0, row)
                     done[id(generation)] = row, 0
-        for generation in after:
-            done[id(generation)] = self.prefill_row(generation)
+        for generation, keys in after:  # the blocks of the prompts above are in the pool now
+            done[id(generation)] = self.prefill_row(generation, keys)
         return [done[id(generation)] for generation in generations]
 
     def warm_up(self):

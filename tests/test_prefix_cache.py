@@ -371,12 +371,7 @@ def test_near_the_end_of_the_cache_fewer_blocks_are_reused_so_the_rest_fits(engi
     second = first[:80] + list(range(300, 345))  # 125 tokens
     [cached] = greedy_rows(engine, [second], max_tokens=2)
     assert cached.cached_tokens == 64
-    engine_off = engine.prefix
-    engine.prefix = None
-    try:
-        [plain] = greedy_rows(engine, [second], max_tokens=2)
-    finally:
-        engine.prefix = engine_off
+    [plain] = without_prefix_cache(engine, lambda: greedy_rows(engine, [second], max_tokens=2))
     assert cached.ids == plain.ids
 
 
