@@ -1552,6 +1552,7 @@ class DecodeBatch:
         self.slots = np.zeros(size, np.int32)  # each row's adapter slot (0: the base alone)
         self.sampling = None  # the arrays above on the device; re-sent when a row changes hands
         self.masks = np.full((size, -(-engine.vocabulary_size // 32)), -1, np.int32)  # grammar bitmasks
+        self.masked_rows = False  # whether `masks` still holds a grammar's mask
         # A streamed request's first token is sent after the step that samples it: the dispatch after it is
         # admitted is one token long (the one-token program grammars use, every token allowed), not four.
         self.first_token_due = False
@@ -1592,13 +1593,16 @@ class DecodeBatch:
         """Each grammar row's mask for its next token (llguidance, on the host); False when no row has a
         grammar. Free rows and rows without one allow every token."""
         constrained = [(row, g.matcher) for row, g in enumerate(self.rows) if g is not None and g.matcher is not None]
+        if self.masked_rows:  # a finished grammar's last mask must not reach the row's next request
+            self.masks.fill(-1)
+            self.masked_rows = False
         if not constrained:
             return False
         import llguidance.numpy
         started = time.time()
-        self.masks.fill(-1)
         for row, matcher in constrained:
             llguidance.numpy.fill_next_token_bitmask(matcher, self.masks, row)
+        self.masked_rows = True
         METRICS.observe_masks(len(constrained), time.time() - started)
         return True
 

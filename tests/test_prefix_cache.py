@@ -444,3 +444,31 @@ def test_streamed_and_waited_on_rows_keep_short_chunks(engine):
     decoding.step(quiet=False)  # a request waits for a row: it gets one after a short chunk
     assert decoding.positions[0] == len(prompt) - 1 + serve.DECODE_CHUNK
     serve.release_all([waited_on])
+
+
+def test_a_finished_grammars_last_mask_does_not_reach_the_next_request_in_its_row(engine):
+    import llguidance
+    tokenizer = engine.model.preprocessor.tokenizer
+    matcher = llguidance.LLMatcher(serve.grammar_tokenizer(tokenizer, engine.vocabulary_size, engine.stop_ids),
+                                   llguidance.LLMatcher.grammar_from_regex("ab"), log_level=0)
+    prompt = [engine.bos] + list(range(600, 612))
+    greedy = serve.SAMPLER_DEFAULTS["greedy"]
+
+    def run():
+        alone = serve.Generation(prompt, 4, greedy, 0, [], queue.Queue())
+        decode_alone(engine, alone)
+        decoding = serve.DecodeBatch(engine, 1)
+        constrained = serve.Generation(prompt, 8, greedy, 0, [], None)
+        constrained.matcher = matcher
+        decoding.admit(constrained)
+        while decoding.active:
+            decoding.step()
+        # The next request in that row streams: its first token comes from a one-token (masked) step.
+        after = serve.Generation(prompt, 4, greedy, 0, [], queue.Queue())
+        decoding.admit(after)
+        while decoding.active:
+            decoding.step()
+        return constrained, after, alone
+    constrained, after, alone = without_prefix_cache(engine, run)
+    assert constrained.text == "ab" and constrained.finish_reason == "stop"
+    assert after.ids == alone.ids
