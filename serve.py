@@ -1139,6 +1139,13 @@ def decode_until_done(model, variables, adapters, axes, unroll, values, cache, w
     return (outputs, made), write_view(axes, cache, view)
 
 
+def next_tokens(sampled, stale, tokens):
+    """The input tokens of a chunk dispatched before the one ahead of it is read: a row's last token
+    sampled there, or (not `stale`) the host's, the last prompt token of a row admitted since."""
+    import jax.numpy as jnp
+    return jnp.where(stale, sampled[-1], tokens)
+
+
 def gather_blocks(axes, pool, block_ids):
     """A one-row cache of len(block_ids) x block positions, block k taken from pool block block_ids[k]."""
     import jax
@@ -1245,9 +1252,14 @@ class Engine:
     prompt's longest cached prefix is copied into its row and only the rest is prefilled."""
 
     def __init__(self, model, batch_buckets, length_buckets, distribution, tokenizer=None, adapters=None,
-                 prefix_blocks=0, block_tokens=16):
+                 prefix_blocks=0, block_tokens=16, dispatch_ahead=None):
         import jax
         self.model = model
+        # Dispatching a chunk before reading the one ahead of it overlaps the host's work with the device's.
+        # A CPU backend computes on the host's own cores, so there is nothing to overlap (bench_generate:
+        # 760 ms both ways on the mixed load, the host busy 5% of the time), only a cost: a row freed by a
+        # stop token is refilled a chunk later, and after the last one a chunk runs for nothing.
+        self.dispatch_ahead = jax.default_backend() != "cpu" if dispatch_ahead is None else dispatch_ahead
         if jax.default_backend() == "cpu" and batch_buckets[0] == 1 and any(
                 getattr(layer.dtype_policy, "quantization_mode", None) for layer in model.backbone._flatten_layers()):
             # XLA's CPU backend runs an int8 matrix-vector product several times slower than the same
@@ -1298,8 +1310,9 @@ class Engine:
             self._store = jax.jit(bound(store_blocks, self.axes), donate_argnums=(0,))
 
     def batch_programs(self, batch, long):
-        """(new cache, insert, decode, decode until done or None) for one batch size. The cache's layout
-        is pinned so that what one program hands back is exactly what the next was compiled for."""
+        """(new cache, insert, decode, decode until done or None, next tokens) for one batch size. The
+        cache's layout (and next_tokens' split over the batch) is pinned so that what one program hands
+        back is exactly what the next was compiled for."""
         import jax
         import jax.numpy as jnp
         shapes = cache_shapes(self.model, batch, self.max_length)
@@ -1310,8 +1323,10 @@ class Engine:
         def decoder(fn):  # (values, cache, window, steps, ...) -> (outputs, cache), the cache donated
             return jax.jit(functools.partial(fn, self.model, self.variables, self.adapters, self.axes, self.unroll),
                            static_argnums=(2, 3), donate_argnums=(1,), out_shardings=((None, None), layout))
+        rows = None if self.distribution is None else self.distribution.get_data_layout((batch,)).backend_layout
         return (new_cache, jax.jit(functools.partial(insert, self.axes), donate_argnums=(0,), out_shardings=layout),
-                decoder(decode_chunk), decoder(decode_until_done) if long else None)
+                decoder(decode_chunk), decoder(decode_until_done) if long else None,
+                jax.jit(next_tokens, out_shardings=rows))
 
     @property
     def lora_tables(self):
@@ -1473,10 +1488,14 @@ class Engine:
             for window in self.length_buckets:
                 for steps in (DECODE_CHUNK, 1) + ((LONG_CHUNK,) if decoding.decode_long is not None else ()):
                     decoding.step(window, steps)
+            if self.dispatch_ahead:
+                for _ in range(2):  # the second chunk is dispatched ahead of reading the first: next_tokens
+                    decoding.step(self.length_buckets[0], DECODE_CHUNK)
+                decoding.settle()
             log(f"warm-up: batch {batch}: compiled decode over windows {','.join(map(str, self.length_buckets))}"
                 f" and prompt blocks {','.join(map(str, self.prompt_blocks))} in {time.time() - started:.1f}s"
                 f" (chunks of {DECODE_CHUNK} and 1{f' and up to {LONG_CHUNK}' if decoding.decode_long else ''} tokens"
-                f"{', unrolled' if self.unroll else ''})")
+                f"{', unrolled' if self.unroll else ''}{', dispatched ahead' if self.dispatch_ahead else ''})")
         self.prefix = prefix
         if self.group_sizes:
             import jax
@@ -1535,15 +1554,18 @@ def cache_length(cache, axes):
 
 class DecodeBatch:
     """`size` rows over one cache. Each row holds one generation at its own position; a row frees up
-    the moment its generation ends and can take the next one."""
+    the moment its generation ends and can take the next one. With Engine.dispatch_ahead (a GPU or TPU)
+    a chunk goes to the device before the tokens of the one ahead of it are read, so the host's work
+    (reading tokens, stop strings, streaming, admitting) overlaps the device's instead of idling it."""
 
     def __init__(self, engine, size):
         self.engine, self.size, self.length = engine, size, engine.max_length
-        self.new_cache, self.insert, self.decode, self.decode_long = engine.programs[size]
+        self.new_cache, self.insert, self.decode, self.decode_long, self.next_tokens = engine.programs[size]
         self.cache = self.new_cache()
         self.rows = [None] * size
         self.positions = np.zeros(size, np.int32)  # where each row's next input token goes
         self.tokens = np.full(size, engine.pad, np.int32)
+        self.stale = np.zeros(size, bool)  # rows whose next input token is still on the device (see `pending`)
         greedy = SAMPLER_DEFAULTS["greedy"]
         self.temperature = np.full(size, greedy["temperature"], np.float32)
         self.top_k = np.full(size, greedy["top_k"], np.int32)
@@ -1556,14 +1578,31 @@ class DecodeBatch:
         # A streamed request's first token is sent after the step that samples it: the dispatch after it is
         # admitted is one token long (the one-token program grammars use, every token allowed), not four.
         self.first_token_due = False
+        # The last chunk dispatched whose tokens are not read yet: (sampled, logprobs, [(row, generation)],
+        # positions it started from, steps). Its rows' last tokens feed the next chunk on the device.
+        self.pending = None
 
     @property
     def free_rows(self):
-        return self.rows.count(None)
+        return len(self.free_row_ids())
 
     @property
     def active(self):
-        return self.size - self.free_rows
+        """Rows holding a generation, those that end in the pending chunk included."""
+        return self.size - self.rows.count(None)
+
+    def free_row_ids(self):
+        """Empty rows, and rows whose generation is sure to end in the pending chunk (its max_tokens or the
+        end of the cache, both known before its tokens are read): a request admitted there decodes from
+        the next chunk on, as it would have after reading the tokens."""
+        return [row for row, g in enumerate(self.rows) if g is None] + self.ending_rows()
+
+    def ending_rows(self):
+        if self.pending is None:
+            return []
+        _, _, busy, start, steps = self.pending
+        return [row for row, g in busy if self.rows[row] is g and g.finish_reason is None
+                and (len(g.ids) + steps >= g.max_tokens or start[row] + steps >= self.length)]
 
     def admit(self, generation):
         self.admit_all([generation])
@@ -1571,7 +1610,7 @@ class DecodeBatch:
     def admit_all(self, generations):
         """Prefills the prompts (together where they can be: Engine.prefill_rows) into free rows; a row's
         first decode step re-reads its last prompt token."""
-        rows = [index for index, g in enumerate(self.rows) if g is None][:len(generations)]
+        rows = self.free_row_ids()[:len(generations)]
         assert len(rows) == len(generations), "more generations than free rows"
         for row, generation in zip(rows, generations):
             self.rows[row] = generation  # held by the batch from here: a failure below finishes it
@@ -1581,7 +1620,7 @@ class DecodeBatch:
             generation.cached_tokens = cached
             self.cache = self.insert(self.cache, row_cache, np.int32(row))
             ids = generation.prompt_ids
-            self.positions[row], self.tokens[row] = len(ids) - 1, ids[-1]
+            self.positions[row], self.tokens[row], self.stale[row] = len(ids) - 1, ids[-1], False
             sampling = generation.sampling
             self.temperature[row], self.top_k[row], self.top_p[row] = (sampling["temperature"], sampling["top_k"],
                                                                        sampling["top_p"])
@@ -1606,59 +1645,97 @@ class DecodeBatch:
         METRICS.observe_masks(len(constrained), time.time() - started)
         return True
 
+    def chunk_length(self, steps, quiet):
+        """One token (under a grammar mask) when a row has a grammar or a streamed request waits for its
+        first token; up to LONG_CHUNK tokens (decode_until_done) when `quiet` (no request waits for a row),
+        no row streams and one still has more than DECODE_CHUNK tokens to make; DECODE_CHUNK otherwise.
+        `steps` forces one of the three (the warm-up compiles each)."""
+        busy = [g for g in self.rows if g is not None]
+        if steps is not None:
+            return steps
+        if self.first_token_due or any(g.matcher is not None for g in busy):
+            return 1
+        # Streamed rows keep DECODE_CHUNK: a long chunk would hold back their text for LONG_CHUNK tokens.
+        long = (quiet and self.decode_long is not None and all(g.events is None for g in busy)
+                and max((g.max_tokens - len(g.ids) for g in busy), default=0) > DECODE_CHUNK)
+        return LONG_CHUNK if long else DECODE_CHUNK
+
     def step(self, window=None, steps=None, quiet=False):
-        """Decodes a chunk in every row and hands each generation its own tokens. The chunk is one token
-        (under a grammar mask) when a row has a grammar or a streamed request waits for its first token;
-        up to LONG_CHUNK tokens (decode_until_done) when `quiet` (no request waits for a row), no row
-        streams and one still has more than DECODE_CHUNK tokens to make; DECODE_CHUNK otherwise. `steps`
-        forces one of the three (the warm-up compiles each)."""
+        """Decodes a chunk (chunk_length) in every row and hands each generation its own tokens: those of
+        the chunk before, when this one could be dispatched ahead of reading them. A one-token or a long
+        chunk needs the tokens before it first (for the grammar's next mask, the first token's event, or
+        how far each row has got) and is read as soon as it is made."""
         engine = self.engine
-        masked = self.fill_masks() or self.first_token_due or steps == 1
-        self.first_token_due = False
-        busy = [(row, g) for row, g in enumerate(self.rows) if g is not None]
+        if self.pending is not None:
+            busy = set(row for row, g in enumerate(self.rows) if g is not None)
+            if busy and not busy - set(self.ending_rows()):
+                return self.settle()  # every row ends in the pending chunk: nothing more to dispatch
+            if self.chunk_length(steps, quiet) != DECODE_CHUNK:
+                self.settle()
+        steps = self.chunk_length(steps, quiet)
+        masked = self.fill_masks() or steps == 1
         if masked:
             steps = 1
-        elif steps is None:
-            # Streamed rows keep DECODE_CHUNK: a long chunk would hold back their text for LONG_CHUNK tokens.
-            long = (quiet and self.decode_long is not None and all(g.events is None for _, g in busy)
-                    and max((g.max_tokens - len(g.ids) for _, g in busy), default=0) > DECODE_CHUNK)
-            steps = LONG_CHUNK if long else DECODE_CHUNK
+        self.first_token_due = False
+        busy = [(row, g) for row, g in enumerate(self.rows) if g is not None]
         if self.sampling is None:
             self.sampling = [engine.feed(a) for a in (self.slots, self.temperature, self.top_k, self.top_p, self.seeds)]
         if window is None:
             window = engine.window_for(max((self.positions[row] for row, _ in busy), default=0) + steps)
-        inputs = engine.feed(self.tokens), engine.feed(self.positions)
+        tokens = engine.feed(self.tokens)
+        if self.pending is not None and self.stale.any():  # rows that carry on: from the pending chunk's tokens
+            tokens = self.next_tokens(self.pending[0], engine.feed(self.stale), tokens)
+        inputs = tokens, engine.feed(self.positions)
+        start, read_now = self.positions.copy(), steps != DECODE_CHUNK or not engine.dispatch_ahead
         if steps == LONG_CHUNK:
             remaining = np.zeros(self.size, np.int32)  # free rows: none
             for row, g in busy:  # a row also ends where the cache does; at its end it still runs one chunk,
-                # after which the check below finishes it, as after a short chunk
+                # after which settle() finishes it, as after a short chunk
                 remaining[row] = max(1, min(g.max_tokens - len(g.ids), self.length - 1 - self.positions[row]))
             stop_ids = np.full(8, -1, np.int32)  # one shape, whatever the model's stop tokens
             stop_ids[:len(engine.stop_ids)] = sorted(engine.stop_ids)
             ((sampled, logprobs), made), self.cache = self.decode_long(
                 engine.values, self.cache, window, steps, *inputs, engine.feed(remaining),
                 engine.feed(stop_ids, replicated=True), engine.lora_tables, *self.sampling)
-            made = int(made)
+            steps = int(made)
         else:
             (sampled, logprobs), self.cache = self.decode(engine.values, self.cache, window, steps,
                                                           engine.feed(self.masks) if masked else None, *inputs,
                                                           engine.lora_tables, *self.sampling)
-            made = steps
+        self.positions += steps
+        self.stale[:] = True
+        previous, self.pending = self.pending, (sampled, logprobs, busy, start, steps)
+        if previous is not None:
+            self.settle(previous)
+        if read_now:
+            self.settle()
+
+    def settle(self, chunk=None):
+        """Reads a dispatched chunk's tokens (by default the pending one's, which then feed no other chunk)
+        and hands each generation its own; rows whose generation ends free up."""
+        engine = self.engine
+        if chunk is None:
+            chunk, self.pending = self.pending, None
+            if chunk is None:
+                return
+        sampled, logprobs, busy, start, made = chunk
         sampled = np.asarray(sampled)
+        if self.pending is None:
+            self.tokens = np.where(self.stale, sampled[made - 1], self.tokens)
+            self.stale[:] = False
+        busy = [(row, g) for row, g in busy if g.finish_reason is None]  # not cancelled meanwhile
         if any(g.logprobs is not None for _, g in busy):  # fetched only when asked for
             logprobs = [np.asarray(a) for a in logprobs]
         for row, generation in busy:
             for offset in range(made):
-                if self.positions[row] + offset >= self.length - 1:  # the cache is full (validation prevents it)
+                if start[row] + offset >= self.length - 1:  # the cache is full (validation prevents it)
                     generation.finish("length", engine)
                     break
                 alternatives = None if generation.logprobs is None else [a[offset, row] for a in logprobs]
                 if generation.accept(int(sampled[offset, row]), engine, alternatives):
                     break
-            if generation.finish_reason is not None:
+            if generation.finish_reason is not None and self.rows[row] is generation:
                 self.rows[row] = None
-        self.positions += made
-        self.tokens = sampled[made - 1].copy()
 
     def release_cancelled(self):
         """Frees the rows of generations whose clients left, before the next chunk decodes for them."""
@@ -1668,10 +1745,12 @@ class DecodeBatch:
                 self.rows[row] = None
 
     def fail(self, reason):
-        for row, generation in enumerate(self.rows):
+        pending = [] if self.pending is None else [g for _, g in self.pending[2]]
+        self.pending = None
+        for generation in self.rows + pending:
             if generation is not None and generation.finish_reason is None:
                 generation.finish(reason)
-            self.rows[row] = None
+        self.rows = [None] * self.size
 
 
 # ----------------------------------------------------------------------------- scheduler

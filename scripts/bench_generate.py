@@ -19,7 +19,8 @@ request; they differ only in how they batch and in their per-token cost:
    prefix cache has none of them), where the prefill weighs most: `generate` prefills its static batch
    in one call, the engine in groups of prompts that share a block (serve.py's prefill_group).
 Reported: each side's median wall time over --runs and the ratio generate / engine (above 1: the
-engine is faster).
+engine is faster). `--dispatch-ahead both` times the engine twice per case, its chunks read as they
+are made and dispatched ahead of reading (serve.py does the first on a CPU, the second on a GPU or TPU).
 """
 import argparse
 import importlib.util
@@ -48,6 +49,9 @@ def parse_args():
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--flags", default="", help="extra serve.py flags for the engine, e.g. '--dtype float32'")
     p.add_argument("--cases", default="mixed,equal,one,burst", help="which cases to run (default: %(default)s)")
+    p.add_argument("--dispatch-ahead", choices=["auto", "on", "off", "both"], default="auto",
+                   help="the engine's chunks dispatched before the one ahead is read (auto: as serve.py, on for "
+                        "a GPU or TPU); both: one engine timed each way, side by side")
     return p.parse_args()
 
 
@@ -120,8 +124,9 @@ def main():
     model_dir = args.model or str(make_bench_model(Path(work.name), dict(os.environ))[1])
     flags = serve.parse_args(["--model", model_dir, "--max-batch-size", str(args.batch), *args.flags.split()])
     model, dtype, _ = serve.load_model(flags)
+    ahead = {} if args.dispatch_ahead == "auto" else {"dispatch_ahead": args.dispatch_ahead != "off"}
     engine = serve.Engine(model, serve.batch_buckets(flags.max_batch_size, 1), flags.length_buckets, None,
-                          prefix_blocks=flags.prefix_cache_blocks, block_tokens=flags.prefix_block_tokens)
+                          prefix_blocks=flags.prefix_cache_blocks, block_tokens=flags.prefix_block_tokens, **ahead)
     engine.warm_up()
     engine.stop_ids = set()  # both sides make exactly max_tokens tokens
 
@@ -156,11 +161,21 @@ def main():
         "burst": (f"a burst of {args.batch} new prompts, 8 new tokens each", lambda: burst.run(next(theirs_bursts)),
                   lambda: engine_run(serve, engine, next(our_bursts), args.batch)),
     }
-    print(f"\n| case | generate, static (median of {args.runs}, min-max) | engine | generate / engine |\n|---|---|---|---|")
+    both = args.dispatch_ahead == "both"
+    if both:
+        print(f"\n| case | generate, static (median of {args.runs}, min-max) | engine, chunks read as made | "
+              f"engine, dispatched ahead | generate / engine, each way |\n|---|---|---|---|---|")
+    else:
+        print(f"\n| case | generate, static (median of {args.runs}, min-max) | engine | generate / engine |\n"
+              f"|---|---|---|---|")
     for name, theirs, ours in (table[case] for case in cases):
-        t_theirs, t_ours = timed(theirs, args.runs), timed(ours, args.runs)
-        print(f"| {name} | {t_theirs[0]:.2f} s ({t_theirs[1]:.2f}-{t_theirs[2]:.2f}) | {t_ours[0]:.2f} s "
-              f"({t_ours[1]:.2f}-{t_ours[2]:.2f}) | **{t_theirs[0] / t_ours[0]:.2f}×** |", flush=True)
+        t_theirs, times = timed(theirs, args.runs), []
+        for ahead in ((False, True) if both else (engine.dispatch_ahead,)):
+            engine.dispatch_ahead = ahead
+            times.append(timed(ours, args.runs))
+        cells = " | ".join(f"{t[0]:.2f} s ({t[1]:.2f}-{t[2]:.2f})" for t in times)
+        ratios = " / ".join(f"**{t_theirs[0] / t[0]:.2f}×**" for t in times)
+        print(f"| {name} | {t_theirs[0]:.2f} s ({t_theirs[1]:.2f}-{t_theirs[2]:.2f}) | {cells} | {ratios} |", flush=True)
 
 
 if __name__ == "__main__":

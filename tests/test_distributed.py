@@ -102,3 +102,40 @@ def test_serving_on_a_mesh_answers_like_one_device(runs, start_server):
         assert server.metric("serve_compilations_total") == compiled, extra
         assert "distribution:" in server.output()
         server.stop()
+
+
+AHEAD_ON_A_MESH = """
+import json, sys
+import jax.monitoring
+import serve
+args = serve.parse_args(["--model", sys.argv[1], "--distribution", "model", "--mesh", "2,2"])
+distribution, batch_axis = serve.setup_distribution(args)
+model, _, _ = serve.load_model(args)
+engine = serve.Engine(model, serve.batch_buckets(4, batch_axis), [64], distribution, dispatch_ahead=True)
+engine.warm_up()
+compiled = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, *_, **__: compiled.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
+
+def run(ahead):
+    engine.dispatch_ahead = ahead
+    rows = [serve.Generation([engine.bos] + list(range(300 + 40 * i, 304 + 43 * i)), 5 + 2 * i,
+                             {"temperature": 1.0, "top_k": 40, "top_p": 1.0}, i, [], None) for i in range(8)]
+    engine.generate(rows, 4)
+    return [g.ids for g in rows]
+ahead = run(True)
+print(json.dumps({"ahead": ahead, "compiled": len(compiled), "plain": run(False)}))
+"""
+
+
+def test_chunks_dispatched_ahead_on_a_mesh_answer_the_same_and_compile_nothing(runs):
+    """On a GPU or TPU mesh the engine dispatches each chunk before reading the one ahead of it; the
+    tokens it then starts from must come back split as the host's would, or the next chunk compiles."""
+    import subprocess
+    import sys
+    result = subprocess.run([sys.executable, "-c", AHEAD_ON_A_MESH, str(runs["model"][0])], env=FOUR_DEVICES,
+                            cwd=train_local.__file__.rsplit("/", 1)[0], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["compiled"] == 0
+    assert out["ahead"] == out["plain"] and all(out["ahead"])

@@ -396,7 +396,8 @@ def decode_alone(engine, generation, steps=None):
     while decoding.active:
         before = int(decoding.positions[0])
         decoding.step(steps=steps, quiet=steps is None)
-        advanced.append(int(decoding.positions[0]) - before)
+        if decoding.positions[0] > before:  # not the last step, which only reads the chunk dispatched ahead
+            advanced.append(int(decoding.positions[0]) - before)
     serve.release_all([generation])
     return advanced
 
@@ -444,6 +445,60 @@ def test_streamed_and_waited_on_rows_keep_short_chunks(engine):
     decoding.step(quiet=False)  # a request waits for a row: it gets one after a short chunk
     assert decoding.positions[0] == len(prompt) - 1 + serve.DECODE_CHUNK
     serve.release_all([waited_on])
+
+
+# ----------------------------------------------------------------------------- chunks dispatched ahead
+
+def mixed_generations(engine):
+    """Six requests for a batch of 2: prompts of 6-21 tokens, greedy and seeded, with and without
+    log-probabilities, one streamed; max_tokens not all multiples of DECODE_CHUNK, so rows end inside
+    chunks."""
+    seeded = {"temperature": 0.9, "top_k": 40, "top_p": 0.9}
+    greedy = serve.SAMPLER_DEFAULTS["greedy"]
+    specs = [(5, 7, greedy, None), (20, 9, seeded, 3), (9, 12, greedy, 2), (14, 5, seeded, None),
+             (11, 10, greedy, 3), (7, 6, seeded, None)]
+    return [serve.Generation([engine.bos] + list(range(300 + 40 * i, 300 + 40 * i + n)), max_tokens, sampling, i,
+                             [], queue.Queue() if i == 4 else None, logprobs=logprobs)
+            for i, (n, max_tokens, sampling, logprobs) in enumerate(specs)]
+
+
+def answers(generations):
+    return [(g.ids, g.text, g.finish_reason, [(t, round(p, 5), [(i, round(q, 5)) for i, q in top])
+                                              for t, p, top in g.token_logprobs]) for g in generations]
+
+
+def test_chunks_dispatched_ahead_answer_as_chunks_read_one_by_one_and_compile_nothing(engine, monkeypatch):
+    import jax.monitoring
+    ahead = serve.Engine(engine.model, [2], [64], None, dispatch_ahead=True)
+    ahead.warm_up()
+    ahead.dispatch_ahead = False
+    reference = mixed_generations(ahead)
+    ahead.generate(reference, 2)
+    ids = reference[1].ids  # seeded: varied tokens
+    at = next(k for k in range(2, 8) if ids[k] not in ids[:k])
+    ahead.stop_ids = ahead.stop_ids | {ids[at]}  # the second request then ends on a stop token, inside a chunk
+    reference = mixed_generations(ahead)
+    ahead.generate(reference, 2)
+    assert reference[1].finish_reason == "stop" and reference[1].ids == ids[:at]
+
+    new_cache, insert, decode, decode_long, next_tokens = ahead.programs[2]
+    merged, early, compiled = [], [], []
+    ahead.programs[2] = (new_cache, insert, decode, decode_long, lambda *a: merged.append(1) or next_tokens(*a))
+    admit_all = serve.DecodeBatch.admit_all
+
+    def counted_admit_all(self, generations):  # rows still held by a generation that ends in the pending chunk
+        early.append(sum(self.rows[row] is not None for row in self.free_row_ids()[:len(generations)]))
+        return admit_all(self, generations)
+    monkeypatch.setattr(serve.DecodeBatch, "admit_all", counted_admit_all)
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, *_, **__: compiled.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
+    ahead.dispatch_ahead = True
+    generations = mixed_generations(ahead)
+    ahead.generate(generations, 2)
+    assert not compiled, "a chunk dispatched ahead compiled at request time"
+    assert merged and sum(early) > 0  # chunks started from the device's tokens; rows were handed on before reading
+    assert answers(generations) == answers(reference)
+    assert all(g.done.is_set() for g in generations)
 
 
 def test_a_finished_grammars_last_mask_does_not_reach_the_next_request_in_its_row(engine):
