@@ -1019,9 +1019,34 @@ def forward(model, variables, adapters, values, cache, tokens, positions, tables
         return run_stateless(variables, values, lambda: jax.vmap(one_row)(cache, tokens, positions, slots))
 
 
-def sample(logits, positions, temperature, top_k, top_p, seeds):
+def sample(logits, positions, temperature, top_k, top_p, seeds, alternatives=None):
     """Per row: the next token (greedy where temperature is 0) and log-probabilities (the token's, and
-    the TOP_LOGPROBS most likely with their ids)."""
+    the TOP_LOGPROBS most likely with their ids). `alternatives`: how many of those each row wants
+    (None: some may). When every row is greedy and wants none, an argmax stands in for the top-k and
+    the random draw, which cost more than a small model's step (test model: 40 µs a token for top-k)."""
+    import jax
+    if alternatives is None:
+        return sample_candidates(logits, positions, temperature, top_k, top_p, seeds)
+    greedy = ((temperature <= 0) & (alternatives <= 0)).all()
+    return jax.lax.cond(greedy, pick_greedy, sample_candidates, logits, positions, temperature, top_k, top_p, seeds)
+
+
+def pick_greedy(logits, *_):
+    """sample_candidates' outputs for rows that are all greedy: the token, its log-probability, and in
+    place of the alternatives no one asked for, the token alone."""
+    import jax
+    import jax.numpy as jnp
+    logits = logits.astype(jnp.float32)
+    token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    token_logprob = jnp.max(logits, axis=-1) - jax.nn.logsumexp(logits, axis=-1)
+    keep_top = min(TOP_LOGPROBS, CANDIDATES, logits.shape[-1])
+    top_logprobs = jnp.full((logits.shape[0], keep_top), -jnp.inf).at[:, 0].set(token_logprob)
+    return token, (token_logprob, top_logprobs, jnp.zeros((logits.shape[0], keep_top), jnp.int32).at[:, 0].set(token))
+
+
+def sample_candidates(logits, positions, temperature, top_k, top_p, seeds):
+    """sample() over the CANDIDATES most likely tokens of each row: temperature, top-k, top-p and a
+    seeded draw."""
     import jax
     import jax.numpy as jnp
     candidates = min(CANDIDATES, logits.shape[-1])
@@ -1571,6 +1596,7 @@ class DecodeBatch:
         self.top_k = np.full(size, greedy["top_k"], np.int32)
         self.top_p = np.full(size, greedy["top_p"], np.float32)
         self.seeds = np.zeros(size, np.uint32)
+        self.alternatives = np.zeros(size, np.int32)  # top log-probabilities each row wants
         self.slots = np.zeros(size, np.int32)  # each row's adapter slot (0: the base alone)
         self.sampling = None  # the arrays above on the device; re-sent when a row changes hands
         self.masks = np.full((size, -(-engine.vocabulary_size // 32)), -1, np.int32)  # grammar bitmasks
@@ -1624,7 +1650,7 @@ class DecodeBatch:
             sampling = generation.sampling
             self.temperature[row], self.top_k[row], self.top_p[row] = (sampling["temperature"], sampling["top_k"],
                                                                        sampling["top_p"])
-            self.seeds[row] = generation.seed
+            self.seeds[row], self.alternatives[row] = generation.seed, generation.logprobs or 0
             self.first_token_due |= generation.events is not None
         self.sampling = None
 
@@ -1679,7 +1705,8 @@ class DecodeBatch:
         self.first_token_due = False
         busy = [(row, g) for row, g in enumerate(self.rows) if g is not None]
         if self.sampling is None:
-            self.sampling = [engine.feed(a) for a in (self.slots, self.temperature, self.top_k, self.top_p, self.seeds)]
+            self.sampling = [engine.feed(a) for a in (self.slots, self.temperature, self.top_k, self.top_p, self.seeds,
+                                                      self.alternatives)]
         if window is None:
             window = engine.window_for(max((self.positions[row] for row, _ in busy), default=0) + steps)
         tokens = engine.feed(self.tokens)

@@ -24,12 +24,35 @@ def test_sample_on_hand_made_logits():
     np.testing.assert_allclose(logprob, np.log([0.6, 0.4]), rtol=1e-5)
     assert top_ids[:, :2].tolist() == [[1, 2], [2, 0]] or top_ids[:, :2].tolist() == [[1, 2], [2, 1]]
     np.testing.assert_allclose(top_logprobs[0, :3], np.log([0.6, 0.3, 0.1]), rtol=1e-5)
+    # All rows greedy, none wanting alternatives: an argmax, with the same token and log-probability.
+    args = (logits, np.zeros(n, np.int32), np.zeros(n, np.float32), np.full(n, 128, np.int32), np.ones(n, np.float32),
+            np.zeros(n, np.uint32))
+    alone, (alone_logprob, alone_top, alone_ids) = serve.sample(*args, np.zeros(n, np.int32))
+    assert alone.tolist() == [1, 2] and alone_ids[:, 0].tolist() == [1, 2]
+    np.testing.assert_allclose(alone_logprob, logprob, rtol=1e-6)
+    assert np.isneginf(alone_top[:, 1:]).all()
+    _, (_, asked_top, asked_ids) = serve.sample(*args, np.array([0, 3], np.int32))  # one row wants 3 alternatives
+    assert asked_ids.tolist() == top_ids.tolist()
+    np.testing.assert_allclose(asked_top, top_logprobs, rtol=1e-6)
     # top_k 1 makes sampling greedy whatever the temperature; top_p keeps just the head of the distribution.
     for top_k, top_p in ((1, 1.0), (128, 0.5)):
         sampled, _ = serve.sample(logits, np.arange(n, dtype=np.int32), np.ones(n, np.float32),
                                   np.full(n, top_k, np.int32), np.full(n, top_p, np.float32),
                                   np.arange(n, dtype=np.uint32))
         assert sampled.tolist() == [1, 2]
+
+
+def test_greedy_rows_wanting_no_alternatives_decode_as_those_that_want_them(engine):
+    # logprobs=0 (the token's only) takes the argmax path; 3 alternatives take the top-k path.
+    prompt = [engine.bos] + list(range(420, 437))
+    plain, asked = (serve.Generation(prompt, 12, serve.SAMPLER_DEFAULTS["greedy"], 0, [], None, logprobs=k)
+                    for k in (0, 3))
+    for g in (plain, asked):
+        without_prefix_cache(engine, lambda: engine.generate([g], 1))
+    assert plain.ids == asked.ids and len(plain.ids) == 12
+    np.testing.assert_allclose([p for _, p, _ in plain.token_logprobs], [p for _, p, _ in asked.token_logprobs],
+                               atol=1e-5)
+    assert all(top == [] for _, _, top in plain.token_logprobs) and all(len(top) == 3 for _, _, top in asked.token_logprobs)
 
 
 def test_insert_writes_one_row_of_a_hand_made_cache():
