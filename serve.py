@@ -59,8 +59,9 @@ TEMPLATES = {
 CANDIDATES = 128
 TOP_LOGPROBS = 20  # most alternatives a request may ask log-probabilities for (OpenAI's limit)
 DECODE_CHUNK = 4  # tokens decoded per dispatch to the device
-# ...and at most this many when no request waits for a row, in the smallest batch (see decode_until_done).
-LONG_CHUNK = 16
+# ...and, when no request waits for a row, in the smallest batch (see decode_until_done), at least
+# LONG_CHUNK and at most LONGEST_CHUNK: as many as the last long dispatch says fit in LONG_CHUNK_SECONDS.
+LONG_CHUNK, LONGEST_CHUNK, LONG_CHUNK_SECONDS = 16, 64, 0.05
 UNROLL_FROM_BYTES = 64 << 20  # weights from which a decode chunk is unrolled (see decode_chunk)
 # Prompts of up to GROUP_BLOCK tokens that are admitted together are prefilled in groups of these sizes
 # (see prefill_group); a batch smaller than a size never uses it.
@@ -1129,14 +1130,16 @@ def decode_chunk(model, variables, adapters, axes, unroll, values, cache, window
 
 
 def decode_until_done(model, variables, adapters, axes, unroll, values, cache, window, steps, tokens, positions,
-                      remaining, stop_ids, tables, slots, *sampling):
-    """Up to `steps` tokens in one dispatch, DECODE_CHUNK at a time, stopping after the chunk in which the
-    last row ended: sampled one of `stop_ids`, or made its `remaining` tokens (0 for a free row). The
-    Engine runs it when no request waits for a row, so a lone request pays the per-dispatch cost (the
-    host's, and the weight-layout copies XLA makes once per run of a program) once every `steps` tokens
-    instead of every DECODE_CHUNK (Gemma 3 270M float32 on 2 CPU cores, batch 1: 18.7 -> 21.0 tokens/s),
-    yet never waits on more than DECODE_CHUNK - 1 tokens past its end (stop strings are found on the
-    host, after the dispatch). -> ((tokens, log-probabilities) per step, the number of steps made), cache."""
+                      remaining, stop_ids, limit, tables, slots, *sampling):
+    """Up to `limit` tokens (at most `steps`, the size of the outputs) in one dispatch, DECODE_CHUNK at a
+    time, stopping after the chunk in which the last row ended: sampled one of `stop_ids`, or made its
+    `remaining` tokens (0 for a free row). The Engine runs it when no request waits for a row, so a lone
+    request pays the per-dispatch cost (the host's, and the weight-layout copies XLA makes once per run of
+    a program) once every `limit` tokens instead of every DECODE_CHUNK (Gemma 3 270M float32 on 2 CPU
+    cores, batch 1, 16 tokens: 18.7 -> 21.0 tokens/s), yet never waits on more than DECODE_CHUNK - 1
+    tokens past its end (stop strings are found on the host, after the dispatch). `limit` is an input, so
+    the host can size it to the model's speed without compiling anything (Engine.long_limit).
+    -> ((tokens, log-probabilities) per step, the number of steps made), cache."""
     import jax
     import jax.numpy as jnp
     view = window_view(axes, cache, window)
@@ -1148,7 +1151,7 @@ def decode_until_done(model, variables, adapters, axes, unroll, values, cache, w
 
     def more(carry):
         _, _, made, alive, _ = carry
-        return (made < steps) & alive.any()
+        return (made < jnp.minimum(limit, steps)) & alive.any()
 
     def chunk(carry):
         view, tokens, made, alive, outputs = carry
@@ -1285,6 +1288,8 @@ class Engine:
         # 760 ms both ways on the mixed load, the host busy 5% of the time), only a cost: a row freed by a
         # stop token is refilled a chunk later, and after the last one a chunk runs for nothing.
         self.dispatch_ahead = jax.default_backend() != "cpu" if dispatch_ahead is None else dispatch_ahead
+        self.long_chunk_seconds = LONG_CHUNK_SECONDS
+        self.token_seconds = None  # a token's time in the last long dispatch (None: none made yet)
         if jax.default_backend() == "cpu" and batch_buckets[0] == 1 and any(
                 getattr(layer.dtype_policy, "quantization_mode", None) for layer in model.backbone._flatten_layers()):
             # XLA's CPU backend runs an int8 matrix-vector product several times slower than the same
@@ -1352,6 +1357,16 @@ class Engine:
         return (new_cache, jax.jit(functools.partial(insert, self.axes), donate_argnums=(0,), out_shardings=layout),
                 decoder(decode_chunk), decoder(decode_until_done) if long else None,
                 jax.jit(next_tokens, out_shardings=rows))
+
+    def long_limit(self):
+        """How many tokens a long dispatch may make: as many as fit in long_chunk_seconds at the last long
+        dispatch's speed, in whole DECODE_CHUNKs, from LONG_CHUNK to LONGEST_CHUNK. A request that arrives
+        meanwhile waits for that dispatch: no longer than the larger of that time and LONG_CHUNK tokens,
+        while a fast model (a small one, or on a GPU) pays its per-dispatch cost less often."""
+        if not self.token_seconds:
+            return LONG_CHUNK
+        fits = int(self.long_chunk_seconds / self.token_seconds) // DECODE_CHUNK * DECODE_CHUNK
+        return min(max(fits, LONG_CHUNK), LONGEST_CHUNK)
 
     @property
     def lora_tables(self):
@@ -1519,7 +1534,7 @@ class Engine:
                 decoding.settle()
             log(f"warm-up: batch {batch}: compiled decode over windows {','.join(map(str, self.length_buckets))}"
                 f" and prompt blocks {','.join(map(str, self.prompt_blocks))} in {time.time() - started:.1f}s"
-                f" (chunks of {DECODE_CHUNK} and 1{f' and up to {LONG_CHUNK}' if decoding.decode_long else ''} tokens"
+                f" (chunks of {DECODE_CHUNK} and 1{f' and up to {LONGEST_CHUNK}' if decoding.decode_long else ''} tokens"
                 f"{', unrolled' if self.unroll else ''}{', dispatched ahead' if self.dispatch_ahead else ''})")
         self.prefix = prefix
         if self.group_sizes:
@@ -1673,7 +1688,7 @@ class DecodeBatch:
 
     def chunk_length(self, steps, quiet):
         """One token (under a grammar mask) when a row has a grammar or a streamed request waits for its
-        first token; up to LONG_CHUNK tokens (decode_until_done) when `quiet` (no request waits for a row),
+        first token; up to Engine.long_limit() tokens (decode_until_done) when `quiet` (no request waits),
         no row streams and one still has more than DECODE_CHUNK tokens to make; DECODE_CHUNK otherwise.
         `steps` forces one of the three (the warm-up compiles each)."""
         busy = [g for g in self.rows if g is not None]
@@ -1721,10 +1736,14 @@ class DecodeBatch:
                 remaining[row] = max(1, min(g.max_tokens - len(g.ids), self.length - 1 - self.positions[row]))
             stop_ids = np.full(8, -1, np.int32)  # one shape, whatever the model's stop tokens
             stop_ids[:len(engine.stop_ids)] = sorted(engine.stop_ids)
+            started = time.perf_counter()
             ((sampled, logprobs), made), self.cache = self.decode_long(
-                engine.values, self.cache, window, steps, *inputs, engine.feed(remaining),
-                engine.feed(stop_ids, replicated=True), engine.lora_tables, *self.sampling)
+                engine.values, self.cache, window, LONGEST_CHUNK, *inputs, engine.feed(remaining),
+                engine.feed(stop_ids, replicated=True), engine.feed(np.int32(engine.long_limit()), replicated=True),
+                engine.lora_tables, *self.sampling)
             steps = int(made)
+            if steps:  # none when no row is busy (the warm-up's)
+                engine.token_seconds = (time.perf_counter() - started) / steps
         else:
             (sampled, logprobs), self.cache = self.decode(engine.values, self.cache, window, steps,
                                                           engine.feed(self.masks) if masked else None, *inputs,

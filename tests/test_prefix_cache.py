@@ -190,7 +190,9 @@ def test_eviction_takes_the_least_recently_used_and_never_a_held_block():
 @pytest.fixture(scope="module")
 def engine(trained_model):
     model, _, _ = serve.load_model(serve.parse_args(["--model", str(trained_model)]))
-    return serve.Engine(model, [1, 2], [64, 128], None, prefix_blocks=16, block_tokens=16)
+    engine = serve.Engine(model, [1, 2], [64, 128], None, prefix_blocks=16, block_tokens=16)
+    engine.long_chunk_seconds = 0  # long dispatches of LONG_CHUNK tokens, whatever the machine's speed
+    return engine
 
 
 def greedy_rows(engine, prompts, max_tokens=8):
@@ -437,6 +439,24 @@ def test_a_lone_request_in_long_chunks_gets_the_tokens_and_logprobs_of_short_one
     for (t1, lp1, top1), (t2, lp2, top2) in zip(long.token_logprobs, short.token_logprobs):
         assert t1 == t2 and [i for i, _ in top1] == [i for i, _ in top2]
         np.testing.assert_allclose([lp1] + [p for _, p in top1], [lp2] + [p for _, p in top2], atol=1e-5)
+
+
+def test_a_fast_model_makes_longer_long_chunks_with_the_same_tokens(engine):
+    prompt = [engine.bos] + list(range(520, 540))
+    short, long = (serve.Generation(prompt, 90, serve.SAMPLER_DEFAULTS["greedy"], 0, [], None) for _ in range(2))
+    decode_alone(engine, short, serve.DECODE_CHUNK)
+    engine.long_chunk_seconds, engine.token_seconds = 1000.0, None  # any speed fits LONGEST_CHUNK tokens
+    try:
+        # Nothing measured yet: LONG_CHUNK; then the longest, then what remains (90 - 16 - 64 = 10) in 4s.
+        assert decode_alone(engine, long) == [serve.LONG_CHUNK, serve.LONGEST_CHUNK, 3 * serve.DECODE_CHUNK]
+        assert 0 < engine.token_seconds < 1
+        engine.long_chunk_seconds = engine.token_seconds * (serve.LONG_CHUNK + serve.DECODE_CHUNK + 1)
+        assert engine.long_limit() == serve.LONG_CHUNK + serve.DECODE_CHUNK  # whole chunks that fit the time
+        engine.long_chunk_seconds = engine.token_seconds
+        assert engine.long_limit() == serve.LONG_CHUNK  # never fewer
+    finally:
+        engine.long_chunk_seconds = 0
+    assert long.ids == short.ids and len(long.ids) == 90
 
 
 def test_a_long_chunk_ends_with_the_short_chunk_in_which_its_row_stopped(engine):
