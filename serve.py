@@ -303,6 +303,14 @@ def label(value):
 
 # ----------------------------------------------------------------------------- model
 
+def on_compilation(callback):
+    """Calls callback() after every XLA compilation in this process (the warm-up's, and any that should not
+    happen at request time)."""
+    import jax.monitoring
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, *_, **__: callback() if event == "/jax/core/compile/backend_compile_duration" else None)
+
+
 def keep_tensorflow_off_accelerators():
     """keras-hub imports TensorFlow; left alone it grabs GPU memory that JAX needs."""
     try:
@@ -1696,7 +1704,7 @@ class DecodeBatch:
             return steps
         if self.first_token_due or any(g.matcher is not None for g in busy):
             return 1
-        # Streamed rows keep DECODE_CHUNK: a long chunk would hold back their text for LONG_CHUNK tokens.
+        # Streamed rows keep DECODE_CHUNK: a long chunk would hold back their text for up to LONGEST_CHUNK tokens.
         long = (quiet and self.decode_long is not None and all(g.events is None for g in busy)
                 and max((g.max_tokens - len(g.ids) for g in busy), default=0) > DECODE_CHUNK)
         return LONG_CHUNK if long else DECODE_CHUNK
@@ -1708,8 +1716,8 @@ class DecodeBatch:
         how far each row has got) and is read as soon as it is made."""
         engine = self.engine
         if self.pending is not None:
-            busy = set(row for row, g in enumerate(self.rows) if g is not None)
-            if busy and not busy - set(self.ending_rows()):
+            held = set(row for row, g in enumerate(self.rows) if g is not None)
+            if held and not held - set(self.ending_rows()):
                 return self.settle()  # every row ends in the pending chunk: nothing more to dispatch
             if self.chunk_length(steps, quiet) != DECODE_CHUNK:
                 self.settle()
@@ -3328,10 +3336,7 @@ def load(server):
         if args.compile_cache:
             jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compile_cache))
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-        import jax.monitoring
-        jax.monitoring.register_event_duration_secs_listener(
-            lambda event, *_, **__: METRICS.add("compilations") if event == "/jax/core/compile/backend_compile_duration"
-            else None)
+        on_compilation(lambda: METRICS.add("compilations"))
         keep_tensorflow_off_accelerators()
         distribution, batch_axis = setup_distribution(args)
         started = time.time()
