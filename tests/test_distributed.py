@@ -106,6 +106,7 @@ def test_serving_on_a_mesh_answers_like_one_device(runs, start_server):
 
 AHEAD_ON_A_MESH = """
 import json, sys
+import numpy as np
 import serve
 args = serve.parse_args(["--model", sys.argv[1], "--distribution", "model", "--mesh", "2,2"])
 distribution, batch_axis = serve.setup_distribution(args)
@@ -115,14 +116,27 @@ engine.warm_up()
 compiled = []
 serve.on_compilation(lambda: compiled.append(1))
 
-def run(ahead):
-    engine.dispatch_ahead = ahead
+def run(ahead, groups=engine.group_sizes):
+    engine.dispatch_ahead, engine.group_sizes = ahead, groups
     rows = [serve.Generation([engine.bos] + list(range(300 + 40 * i, 304 + 43 * i)), 5 + 2 * i,
                              {"temperature": 1.0, "top_k": 40, "top_p": 1.0}, i, [], None) for i in range(8)]
     engine.generate(rows, 4)
     return [g.ids for g in rows]
 ahead = run(True)
-print(json.dumps({"ahead": ahead, "compiled": len(compiled), "plain": run(False)}))
+grouped = serve.METRICS.grouped_prompts
+out = {"ahead": ahead, "compiled": len(compiled), "grouped": grouped, "plain": run(False), "alone": run(False, [])}
+# What the host feeds a step must not change with the host's array after the call (on a CPU mesh
+# device_put reads a numpy array's memory later).
+changed = 0
+for size in (4, 8):
+    for replicated in (False, True):
+        for _ in range(200):
+            host = np.zeros(size, np.int32)
+            fed = engine.feed(host, replicated)
+            host += 7
+            changed += int(np.asarray(fed).any())
+out["changed"] = changed
+print(json.dumps(out))
 """
 
 
@@ -137,3 +151,4 @@ def test_chunks_dispatched_ahead_on_a_mesh_answer_the_same_and_compile_nothing(r
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert out["compiled"] == 0
     assert out["ahead"] == out["plain"] and all(out["ahead"])
+    assert out["changed"] == 0
