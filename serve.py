@@ -1325,12 +1325,16 @@ class Engine:
         self.axes = cache_position_axes(model)
         self.unroll = sum(value.nbytes for value in self.values) >= UNROLL_FROM_BYTES
         bound = functools.partial
-        self._prefill = jax.jit(bound(prefill, model, self.variables, adapters))
-        self._prefill_after_prefix = jax.jit(bound(prefill_after_prefix, model, self.variables, adapters))
-        self._prefill_group = jax.jit(bound(prefill_group, model, self.variables, adapters))
-        # On a mesh a group's row caches could come back split otherwise than a lone prefill's, and the
-        # programs they go into would compile anew: there, prompts are prefilled one at a time.
-        self.group_sizes = [] if distribution is not None else [g for g in PREFILL_GROUPS if g <= batch_buckets[-1]]
+        # On a mesh every program that makes a one-row cache hands it back copied to every device: the
+        # programs it goes into (insert, a pool write, a prefill after a prefix) were compiled for one
+        # layout, whichever program made it (a lone prefill, a group's, the pool's gather).
+        rows = None if distribution is None else jax.sharding.NamedSharding(
+            distribution.device_mesh.backend_mesh, jax.sharding.PartitionSpec())
+        self._prefill = jax.jit(bound(prefill, model, self.variables, adapters), out_shardings=rows)
+        self._prefill_after_prefix = jax.jit(bound(prefill_after_prefix, model, self.variables, adapters),
+                                             out_shardings=rows)
+        self._prefill_group = jax.jit(bound(prefill_group, model, self.variables, adapters), out_shardings=rows)
+        self.group_sizes = [g for g in PREFILL_GROUPS if g <= batch_buckets[-1]]
         self.group_blocks = [b for b in self.prompt_blocks if b <= GROUP_BLOCK]
         # A lone request decodes in the smallest batch, where the per-dispatch cost weighs most: that batch
         # size also gets decode_until_done's long chunks (one more program per window to compile).
@@ -1344,7 +1348,7 @@ class Engine:
                                          s.dtype), cache_shapes(model, 1, 8), self.axes), replicated=True)
             self.pool_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(self.pool)) * prefix_blocks // (
                 prefix_blocks + 1)
-            self._gather = jax.jit(bound(gather_blocks, self.axes))
+            self._gather = jax.jit(bound(gather_blocks, self.axes), out_shardings=rows)
             self._store = jax.jit(bound(store_blocks, self.axes), donate_argnums=(0,))
 
     def batch_programs(self, batch, long):
@@ -1513,7 +1517,7 @@ class Engine:
                 else:
                     rows = self._prefill_group(self.values, self.tokens([g.prompt_ids for g, _ in group], block),
                                                self.lora_tables, self.feed(np.array([g.slot for g, _ in group],
-                                                                                    np.int32)))
+                                                                                    np.int32), replicated=True))
                     METRICS.add("prefill_groups")
                     METRICS.add("grouped_prompts", size)
                 for (generation, keys), row in zip(group, rows):
@@ -1553,8 +1557,9 @@ class Engine:
             started = time.time()
             for block in self.group_blocks:
                 for size in self.group_sizes:
-                    jax.block_until_ready(self._prefill_group(self.values, self.tokens([[self.bos]] * size, block),
-                                                              self.lora_tables, self.feed(np.zeros(size, np.int32))))
+                    jax.block_until_ready(self._prefill_group(
+                        self.values, self.tokens([[self.bos]] * size, block), self.lora_tables,
+                        self.feed(np.zeros(size, np.int32), replicated=True)))
             log(f"warm-up: compiled prefills of {','.join(map(str, self.group_sizes))} prompts at once in blocks "
                 f"{','.join(map(str, self.group_blocks))} in {time.time() - started:.1f}s")
         if self.prefix is not None:

@@ -100,6 +100,7 @@ def test_serving_on_a_mesh_answers_like_one_device(runs, start_server):
             answers = list(pool.map(lambda body: http("POST", server.url + "/", body)[1]["completion"], greedy))
         assert answers[1::2] == expected[0::2], extra
         assert server.metric("serve_compilations_total") == compiled, extra
+        assert server.metric("serve_prefill_groups_total") > 0, extra  # requests admitted together
         assert "distribution:" in server.output()
         server.stop()
 
@@ -142,7 +143,8 @@ print(json.dumps(out))
 
 def test_chunks_dispatched_ahead_on_a_mesh_answer_the_same_and_compile_nothing(runs):
     """On a GPU or TPU mesh the engine dispatches each chunk before reading the one ahead of it; the
-    tokens it then starts from must come back split as the host's would, or the next chunk compiles."""
+    tokens it then starts from must come back split as the host's would, or the next chunk compiles.
+    Prompts prefilled in a group must come back in the layout a lone prefill's do, for the same reason."""
     import subprocess
     import sys
     result = subprocess.run([sys.executable, "-c", AHEAD_ON_A_MESH, str(runs["model"][0])], env=FOUR_DEVICES,
@@ -151,4 +153,6 @@ def test_chunks_dispatched_ahead_on_a_mesh_answer_the_same_and_compile_nothing(r
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert out["compiled"] == 0
     assert out["ahead"] == out["plain"] and all(out["ahead"])
+    # Prompts admitted together are prefilled together on a mesh too, and answer as when prefilled alone.
+    assert out["grouped"] >= 4 and out["alone"] == out["plain"]
     assert out["changed"] == 0
