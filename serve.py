@@ -1797,14 +1797,23 @@ class DecodeBatch:
                 if generation.accept(int(sampled[offset, row]), engine, alternatives):
                     break
             if generation.finish_reason is not None and self.rows[row] is generation:
-                self.rows[row] = None
+                self.vacate(row)
 
     def release_cancelled(self):
         """Frees the rows of generations whose clients left, before the next chunk decodes for them."""
         for row, generation in enumerate(self.rows):
             if generation is not None and generation.cancelled:
                 generation.finish("cancelled")
-                self.rows[row] = None
+                self.vacate(row)
+
+    def vacate(self, row):
+        """Frees a row. Its sampling settings go back to greedy with no alternatives: a free row still
+        decodes, and one left sampling would keep the rest of a greedy batch off sample()'s argmax path."""
+        greedy = SAMPLER_DEFAULTS["greedy"]
+        self.rows[row] = None
+        self.temperature[row], self.top_k[row], self.top_p[row] = greedy["temperature"], greedy["top_k"], greedy["top_p"]
+        self.alternatives[row] = 0
+        self.sampling = None
 
     def fail(self, reason):
         pending = [] if self.pending is None else [g for _, g in self.pending[2]]

@@ -55,6 +55,29 @@ def test_greedy_rows_wanting_no_alternatives_decode_as_those_that_want_them(engi
     assert all(top == [] for _, _, top in plain.token_logprobs) and all(len(top) == 3 for _, _, top in asked.token_logprobs)
 
 
+def test_once_a_sampled_row_frees_a_greedy_batch_takes_the_argmax_path(engine):
+    """The argmax path runs when every row of the batch, free rows included, is greedy and wants no
+    alternatives: a finished sampled request must not leave its settings in its row."""
+    programs, tops = engine.programs[2], []
+
+    def decode(*args):  # records each chunk's alternatives: the argmax path leaves them -inf
+        (sampled, logprobs), cache = programs[2](*args)
+        tops.append(np.asarray(logprobs[1]))
+        return (sampled, logprobs), cache
+    engine.programs[2] = programs[:2] + (decode,) + programs[3:]
+    try:
+        sampled = serve.Generation([engine.bos] + list(range(610, 625)), 4,
+                                   {"temperature": 0.9, "top_k": 40, "top_p": 0.9}, 5, [], None, logprobs=3)
+        greedy = serve.Generation([engine.bos] + list(range(640, 655)), 16, serve.SAMPLER_DEFAULTS["greedy"], 0, [],
+                                  None, logprobs=0)
+        without_prefix_cache(engine, lambda: engine.generate([sampled, greedy], 2))
+    finally:
+        engine.programs[2] = programs
+    assert len(sampled.ids) == 4 and len(greedy.ids) == 16 and len(tops) == 4
+    assert np.isfinite(tops[0][..., 1]).all()  # the sampled row's chunk: the top-k path, for both rows
+    assert all(np.isneginf(top[..., 1:]).all() for top in tops[1:])
+
+
 def test_insert_writes_one_row_of_a_hand_made_cache():
     cache = (np.zeros((3, 8, 1, 2), np.float32), np.zeros((3, 8, 1, 2), np.float32))  # Gemma 3: (batch, length, …)
     row = (np.ones((1, 4, 1, 2), np.float32), np.full((1, 4, 1, 2), 2.0, np.float32))
