@@ -42,11 +42,12 @@ def memory_mib():
     return {key: int(re.search(rf"{key}:\s+(\d+)", status).group(1)) / 1024 for key in ("VmRSS", "VmHWM")}
 
 
-def read_bandwidth():
-    """Bytes/s a jitted sum streams from memory (best of 10 over 256 MiB: bigger than any cache)."""
+def read_bandwidth(mib=256):
+    """Bytes/s a jitted sum streams from memory (best of 10 over 256 MiB: bigger than any cache; on a GPU,
+    pass more, or the dispatch's own microseconds weigh in)."""
     import jax
     import jax.numpy as jnp
-    data = jnp.ones(64 << 20, jnp.float32)
+    data = jnp.ones(mib << 18, jnp.float32)
     total = jax.jit(jnp.sum)
     total(data).block_until_ready()
     best = float("inf")

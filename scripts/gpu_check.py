@@ -8,7 +8,8 @@ at batch 1 and 8, with keras-hub's generate() as a reference), and peak device m
 and pre-tokenized arrays: nothing is downloaded and TensorFlow is not needed. `--config tiny` runs the
 same script in seconds on a CPU, to check it before spending device time. `--quantize int8` (or int4)
 measures the same with the dense layers quantized before LoRA is enabled (QLoRA, as `train_local.py
---quantize`), and reports the weight memory of each setting. Last, the train step's planned temporaries
+--quantize`), and reports the weight memory of each setting. Decode speed is printed next to its limit:
+the weight bytes over the read bandwidth a jitted sum measures in the same process (issue #21). Last, the train step's planned temporaries
 with and without --remat (gradient checkpointing, which XLA's CPU backend ignores).
 """
 import argparse
@@ -22,6 +23,8 @@ from pathlib import Path
 os.environ.setdefault("KERAS_BACKEND", "jax")
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+from bench_memory import read_bandwidth  # noqa: E402  the limit bench_memory.py divides by
 
 CONFIGS = {  # gemma_2b as keras-hub defines it (GemmaBackbone presets)
     "gemma_2b": dict(vocabulary_size=256000, num_layers=18, num_query_heads=8, num_key_value_heads=1,
@@ -174,12 +177,18 @@ def main():
           f"MFU {mfu * 100:.1f}% of {args.peak_tflops:.0f} TFLOP/s, loss {loss:.2f}, "
           f"target <= 60 ms: {'met' if ms <= 60 else 'NOT met'}", flush=True)
     train_peak = peak_memory_gib()
+    # Decoding reads every weight once a step: tokens/s a row <= read bandwidth / weight bytes (issue #21).
+    bandwidth = read_bandwidth(256 if jax.default_backend() == "cpu" else 4096)
+    limit = bandwidth / sum(w.value.nbytes for w in model.weights)
+    print(f"limit: {limit:,.0f} tok/s a row ({bandwidth / 1e9:,.0f} GB/s read by a jitted sum over "
+          f"{weights:.2f} GiB of weights)", flush=True)
     for batch_size in (1, 8):
         tps, compile_s = time_generation(model, args, batch_size)
         reference = time_keras_hub_generate(model, args, batch_size) if args.quantize == "none" else None
-        print(f"generate: batch {batch_size}: {tps:,.0f} tok/s with serve.py's engine (compile {compile_s:.0f}s)"
+        print(f"generate: batch {batch_size}: {tps:,.0f} tok/s with serve.py's engine (compile {compile_s:.0f}s), "
+              f"{tps / (batch_size * limit):.0%} of {batch_size} x the limit"
               + (f"; keras-hub generate(): {reference:,.0f} tok/s" if reference else "")
-              + f" ({args.new_tokens} new tokens after a 32-token prompt)", flush=True)
+              + f" ({args.new_tokens} new tokens after a 32-token prompt, its prefill included)", flush=True)
     print(f"memory: peak {peak_memory_gib():.1f} GiB on device (after training: {train_peak:.1f} GiB)")
     if args.quantize == "none":  # last: it wraps the model's decoder blocks
         plain, rematted = train_step_temporaries(model, args)

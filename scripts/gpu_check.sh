@@ -21,6 +21,8 @@ fi
 export KERAS_BACKEND=jax PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=3 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
 log="${OUT:-/tmp}/gpu_check.log"
-# bfloat16 first, then the same with int8 dense layers (QLoRA), side by side in one run.
-{ python3 scripts/gpu_check.py "$@"; python3 scripts/gpu_check.py --quantize int8 --steps 10 "$@"; } 2>&1 \
+# bfloat16 first, then the same with int8 and int4 dense layers (QLoRA), side by side in one run. int4
+# goes last: should the call run out of time, the log under $OUT still holds the first two.
+{ python3 scripts/gpu_check.py "$@"; python3 scripts/gpu_check.py --quantize int8 --steps 10 "$@";
+  python3 scripts/gpu_check.py --quantize int4 --steps 5 "$@"; } 2>&1 \
   | grep -v -E "^(WARNING: All log|I0000|W0000)" | tee "$log"
