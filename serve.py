@@ -1395,9 +1395,9 @@ class Engine:
         return jax.device_put(array, self.distribution.get_data_layout(array.shape).backend_layout)
 
     def feed(self, array, replicated=False):
-        """A small host array a step takes (tokens, positions, sampling settings). On one device it goes to
-        the jitted call as it is: the call takes it in C++ in about a microsecond, where `device_put`
-        costs 30-200 µs, some 20 times per request. Always a copy, so that the host may change its own
+        """A small host array a step takes (tokens, positions, sampling settings). On one device a numpy
+        copy goes to the jitted call as it is: the call takes it in C++ in about a microsecond, where
+        `device_put` costs 30-200 µs, some 20 times per request. Always a copy, so that the host may change its own
         array while the step it was dispatched to still waits to run: on a CPU mesh `device_put` may read a
         numpy array's memory after it returns (before this copy, 2 runs in 5 of a 2x2-mesh test decoded
         4 of its 8 requests from tokens and positions the host had already moved on)."""
@@ -1811,7 +1811,8 @@ class DecodeBatch:
         decodes, and one left sampling would keep the rest of a greedy batch off sample()'s argmax path."""
         greedy = SAMPLER_DEFAULTS["greedy"]
         self.rows[row] = None
-        self.temperature[row], self.top_k[row], self.top_p[row] = greedy["temperature"], greedy["top_k"], greedy["top_p"]
+        self.temperature[row], self.top_k[row] = greedy["temperature"], greedy["top_k"]
+        self.top_p[row] = greedy["top_p"]
         self.alternatives[row] = 0
         self.sampling = None
 

@@ -9,8 +9,9 @@ and pre-tokenized arrays: nothing is downloaded and TensorFlow is not needed. `-
 same script in seconds on a CPU, to check it before spending device time. `--quantize int8` (or int4)
 measures the same with the dense layers quantized before LoRA is enabled (QLoRA, as `train_local.py
 --quantize`), and reports the weight memory of each setting. Decode speed is printed next to its limit:
-the weight bytes over the read bandwidth a jitted sum measures in the same process (issue #21). Last, the train step's planned temporaries
-with and without --remat (gradient checkpointing, which XLA's CPU backend ignores).
+the weight bytes over the read bandwidth a jitted sum measures in the same process (issue #21). Last,
+the train step's planned temporaries with and without --remat (gradient checkpointing, which XLA's CPU
+backend ignores).
 """
 import argparse
 import math
