@@ -1549,7 +1549,8 @@ class Engine:
                 decoding.settle()
             log(f"warm-up: batch {batch}: compiled decode over windows {','.join(map(str, self.length_buckets))}"
                 f" and prompt blocks {','.join(map(str, self.prompt_blocks))} in {time.time() - started:.1f}s"
-                f" (chunks of {DECODE_CHUNK} and 1{f' and up to {LONGEST_CHUNK}' if decoding.decode_long else ''} tokens"
+                f" (chunks of {DECODE_CHUNK} and 1"
+                f"{f' and up to {LONGEST_CHUNK}' if decoding.decode_long else ''} tokens"
                 f"{', unrolled' if self.unroll else ''}{', dispatched ahead' if self.dispatch_ahead else ''})")
         self.prefix = prefix
         if self.group_sizes:
@@ -1678,11 +1679,14 @@ class DecodeBatch:
             self.cache = self.insert(self.cache, row_cache, np.int32(row))
             ids = generation.prompt_ids
             self.positions[row], self.tokens[row], self.stale[row] = len(ids) - 1, ids[-1], False
-            sampling = generation.sampling
-            self.temperature[row], self.top_k[row], self.top_p[row] = (sampling["temperature"], sampling["top_k"],
-                                                                       sampling["top_p"])
-            self.seeds[row], self.alternatives[row] = generation.seed, generation.logprobs or 0
+            self.set_sampling(row, generation.sampling, generation.seed, generation.logprobs)
             self.first_token_due |= generation.events is not None
+
+    def set_sampling(self, row, sampling, seed=0, logprobs=None):
+        """A row's sampling settings and the alternatives it wants, sent with the next step."""
+        self.temperature[row], self.top_k[row], self.top_p[row] = (sampling["temperature"], sampling["top_k"],
+                                                                   sampling["top_p"])
+        self.seeds[row], self.alternatives[row] = seed, logprobs or 0
         self.sampling = None
 
     def fill_masks(self):
@@ -1809,12 +1813,8 @@ class DecodeBatch:
     def vacate(self, row):
         """Frees a row. Its sampling settings go back to greedy with no alternatives: a free row still
         decodes, and one left sampling would keep the rest of a greedy batch off sample()'s argmax path."""
-        greedy = SAMPLER_DEFAULTS["greedy"]
         self.rows[row] = None
-        self.temperature[row], self.top_k[row] = greedy["temperature"], greedy["top_k"]
-        self.top_p[row] = greedy["top_p"]
-        self.alternatives[row] = 0
-        self.sampling = None
+        self.set_sampling(row, SAMPLER_DEFAULTS["greedy"])
 
     def fail(self, reason):
         pending = [] if self.pending is None else [g for _, g in self.pending[2]]

@@ -52,7 +52,8 @@ def test_greedy_rows_wanting_no_alternatives_decode_as_those_that_want_them(engi
     assert plain.ids == asked.ids and len(plain.ids) == 12
     np.testing.assert_allclose([p for _, p, _ in plain.token_logprobs], [p for _, p, _ in asked.token_logprobs],
                                atol=1e-5)
-    assert all(top == [] for _, _, top in plain.token_logprobs) and all(len(top) == 3 for _, _, top in asked.token_logprobs)
+    assert all(top == [] for _, _, top in plain.token_logprobs)
+    assert all(len(top) == 3 for _, _, top in asked.token_logprobs)
 
 
 def test_once_a_sampled_row_frees_a_greedy_batch_takes_the_argmax_path(engine):
