@@ -21,6 +21,7 @@ import argparse
 import array
 import collections
 import contextlib
+import errno
 import functools
 import hashlib
 import hmac
@@ -33,6 +34,7 @@ import re
 import selectors
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
@@ -103,6 +105,12 @@ def parse_args(argv=None):
                         "block the engine prefills, so a hit recomputes at most 15 tokens of a cached prefix)")
     p.add_argument("--host", default="0.0.0.0", help="bind address (default: %(default)s)")
     p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--uds", default=None, metavar="PATH",
+                   help="serve on this unix domain socket instead of --host/--port (as vLLM's and uvicorn's --uds): "
+                        "for machines that allow no TCP, or a proxy on the same host; curl --unix-socket PATH")
+    p.add_argument("--uds-mode", default="600", metavar="OCTAL",
+                   help="the socket file's permissions, which are its access control: 600 (default) lets only this "
+                        "user connect, 660 the group too")
     p.add_argument("--max-batch-size", type=int, default=8, help="most requests decoded together (default: 8)")
     p.add_argument("--length-buckets", default="128,256,512",
                    help="total lengths (prompt + new tokens) compiled at start-up; the largest is the longest "
@@ -138,6 +146,12 @@ def parse_args(argv=None):
         p.error("--max-batch-size, --max-queue and --max-connections must be at least 1")
     if args.idle_timeout <= 0:
         p.error("--idle-timeout must be positive")
+    try:
+        args.uds_mode = int(args.uds_mode, 8)
+        if not 0 <= args.uds_mode <= 0o777:
+            raise ValueError
+    except ValueError:
+        p.error(f"--uds-mode {args.uds_mode}: write the permissions in octal, such as 600 or 660")
     if args.quantize != "none" and args.distribution == "model":
         p.error("--quantize cannot be combined with --distribution model: the layout map shards float kernels")
     args.max_tokens_limit = args.max_tokens_limit or args.length_buckets[-1]
@@ -2922,11 +2936,65 @@ LINGER_BYTES, LINGER_SECONDS = 64 << 20, 10.0  # what is read and dropped of a r
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:/=+-]{1,128}")
 
 
+# ------------------------------------------------------------- the socket: TCP, or a unix domain socket
+UDS_PATH_BYTES = 103 if sys.platform == "darwin" else 107  # sockaddr_un's sun_path, less its closing NUL
+
+
+class BindError(Exception):
+    """Why the server cannot listen where it was told to, in one line for the user."""
+
+
+def where(args):
+    return f"unix:{args.uds}" if args.uds else f"http://{args.host}:{args.port}"
+
+
+def claim_socket_path(path):
+    """Makes way for a unix socket at `path`: a socket file left by a crashed run is removed, but a
+    socket something still answers on, or a file that is not a socket, is never touched."""
+    if len(os.fsencode(path)) > UDS_PATH_BYTES:
+        raise BindError(f"--uds {path}: the path is {len(os.fsencode(path))} bytes, and a unix socket's may have at "
+                        f"most {UDS_PATH_BYTES}; pick a shorter one, such as /tmp/serve.sock")
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise BindError(f"--uds {path}: a file that is not a socket is there; remove it or pick another path")
+    with socket.socket(socket.AF_UNIX) as probe:
+        probe.settimeout(2)
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):  # nobody listens: a crashed run's leftover
+            os.unlink(path)
+            return
+        except OSError:
+            pass  # cannot tell (no permission): say it is taken rather than remove someone else's socket
+    raise BindError(f"--uds {path}: another server is listening on it; stop it or pick another path")
+
+
+def bind_error(args, error):
+    """One line for an OSError from creating, binding or listening on the server's socket."""
+    at = f"--uds {args.uds}" if args.uds else f"{args.host}:{args.port}"
+    if isinstance(error, socket.gaierror):
+        return f"cannot listen on {at}: --host {args.host} is not an address of this machine ({error.strerror})"
+    reasons = {
+        errno.EADDRINUSE: "the address is in use by another program: stop it, or pick another "
+                          + ("--uds path" if args.uds else "--port"),
+        errno.EACCES: "permission denied" + (" (can this user create files in its folder?)" if args.uds else
+                                             " (ports below 1024 need root; pick --port 8080 or above)"),
+        errno.EAFNOSUPPORT: "this machine does not allow " + ("unix" if args.uds else "TCP") + " sockets"
+                            + ("" if args.uds else " (a sandbox?): serve on a unix socket with --uds PATH"),
+        errno.EADDRNOTAVAIL: f"--host {args.host} is not an address of this machine",
+        errno.ENOENT: "its folder does not exist",
+    }
+    return f"cannot listen on {at}: {reasons.get(error.errno, error.strerror or str(error))}"
+
+
 class Listener(ThreadingHTTPServer):
     """The standard library's threaded server, made fit for real clients: a listen backlog that holds
     a burst (socketserver's is 5, so bursts were reset), a cap on open connections that costs no
     thread to enforce, and a reaper that closes connections idle or still sending their headers past
-    --idle-timeout."""
+    --idle-timeout. With --uds it listens on a unix domain socket instead; nothing else changes."""
     daemon_threads = True
     request_queue_size = max(1024, socket.SOMAXCONN)
 
@@ -2934,9 +3002,40 @@ class Listener(ThreadingHTTPServer):
         self.app = app
         self.deadlines = {}  # open connection -> when the reaper closes it; None while a request runs
         self.deadlines_lock = threading.Lock()
-        super().__init__((app.args.host, app.args.port), Handler)
+        self.uds = app.args.uds
+        if self.uds:
+            claim_socket_path(self.uds)
+            self.address_family = socket.AF_UNIX
+        try:
+            super().__init__(self.uds or (app.args.host, app.args.port), Handler)
+        except OSError as e:
+            raise BindError(bind_error(app.args, e)) from None
         self.hangups = Hangups()
         threading.Thread(target=self.reap, daemon=True, name="reaper").start()
+
+    def server_bind(self):
+        if not self.uds:
+            return super().server_bind()
+        # The file's mode is the socket's access control: it is created owner-only, with no moment in
+        # which others could connect, and only then opened up as far as --uds-mode says.
+        umask = os.umask(0o177)
+        try:
+            self.socket.bind(self.uds)
+        finally:
+            os.umask(umask)
+        os.chmod(self.uds, self.app.args.uds_mode)
+        self.socket_inode = os.stat(self.uds).st_ino
+        self.server_name, self.server_port = "localhost", 0
+
+    def server_close(self):
+        super().server_close()
+        with contextlib.suppress(OSError):  # only our own file: a later run may have replaced it
+            if self.uds and os.stat(self.uds).st_ino == self.socket_inode:
+                os.unlink(self.uds)
+
+    def get_request(self):
+        connection, address = super().get_request()
+        return connection, address or ("unix", 0)  # a unix socket's peer has no address; handlers log one
 
     def process_request(self, request, client_address):
         with self.deadlines_lock:
@@ -3387,7 +3486,7 @@ def load(server):
         server.worker = Worker(engine, engine.batch_buckets[-1], args.batch_window_ms / 1000, args.max_queue)
         threading.Thread(target=server.worker.run, daemon=True, name="model-worker").start()
         server.state = "ready"
-        log(f"ready on http://{args.host}:{args.port}")
+        log(f"ready on {where(args)}")
     except LoadError as e:
         log(f"error: {e}")
         server.state = "unloadable"
@@ -3403,15 +3502,19 @@ def main(argv=None):
     check_model_exists(args.model)
     check_adapters_exist(args)
     server = Server(args)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+    if not args.uds and args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log(f"warning: listening on {args.host} without --api-key: anyone who can reach this port can use it")
-    httpd = Listener(server)
+    try:
+        httpd = Listener(server)
+    except BindError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     METRICS.open_connections = httpd.open_connections
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True).start()
-    log(f"listening on {args.host}:{args.port}; loading {args.model} (/health is 503 until ready)")
+    log(f"listening on {where(args)}; loading {args.model} (/health is 503 until ready)")
     threading.Thread(target=load, args=(server,), daemon=True).start()
     stop.wait()
     failed = {"failed": 1, "unloadable": 2}.get(server.state, 0)

@@ -1237,6 +1237,17 @@ def write_loss_plot(path, history, evals, eval_before):
     plt.close(fig)
 
 
+def optional_artefact(name, write, *args):
+    """Writes an extra the model does not need (a plot): should it fail (matplotlib missing or broken, a
+    full disk), the run warns and still publishes the model it trained. True if it was written."""
+    try:
+        write(*args)
+        return True
+    except Exception as e:
+        log(f"warning: {name} was not written ({type(e).__name__}: {e}); the model is saved without it")
+        return False
+
+
 def check_output(args):
     """Refuses to clobber, before any work; returns the dir beside --output that becomes it at the end."""
     output = Path(args.output)
@@ -1445,13 +1456,15 @@ def main(argv=None):
         "model_class": type(model).__name__,
         "base_quantization": args.quantize,
     }
+    plotted = False
     if IS_MAIN_PROCESS:
         model.backbone.save_lora_weights(str(work_dir / ADAPTER_FILE))
         if args.quantize != "none":
             model = merged_on_original_base(args, work_dir / ADAPTER_FILE)
         model.save_to_preset(str(work_dir))
         (work_dir / RUN_RECORD).write_text(json.dumps(record, indent=2))
-        write_loss_plot(work_dir / "loss.png", history, progress["evals"], eval_before)
+        plotted = optional_artefact("loss.png", write_loss_plot, work_dir / "loss.png", history, progress["evals"],
+                                    eval_before)
         publish(work_dir, args.output)
     done = len(history) - first_step
     log(f"done: {done} steps in {train_seconds:.1f}s ({compile_seconds:.1f}s compiling), "
@@ -1460,7 +1473,7 @@ def main(argv=None):
     if eval_before is not None:
         log(f"eval loss {eval_before:.4f} -> {eval_after:.4f}" +
             (f" (step {published_step})" if published_step != len(steps) else ""))
-    log(f"saved: {args.output} (merged Keras preset, {ADAPTER_FILE}, {RUN_RECORD}, loss.png)")
+    log(f"saved: {args.output} (merged Keras preset, {ADAPTER_FILE}, {RUN_RECORD}{', loss.png' if plotted else ''})")
     if args.export and IS_MAIN_PROCESS:
         export(Path(args.output), args.export)
     return 0

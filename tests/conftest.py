@@ -1,4 +1,5 @@
 import contextlib
+import http.client as httpclient
 import json
 import os
 import socket
@@ -6,6 +7,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -140,16 +142,47 @@ def free_port():
         return s.getsockname()[1]
 
 
+class UnixHTTPConnection(httpclient.HTTPConnection):
+    """http.client over a unix domain socket (serve.py --uds)."""
+
+    def __init__(self, socket_path, timeout=120):
+        super().__init__("localhost", timeout=timeout)
+        self.socket_path = socket_path
+
+    def connect(self):
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.socket_path)
+
+
+UNIX_URL = "http+unix://"  # then the socket's path, percent-encoded, then the request's path
+
+
+def unix_url(socket_path):
+    return UNIX_URL + urllib.parse.quote(str(socket_path), safe="")
+
+
 def http(method, url, body=None, headers=None, timeout=120):
-    """(status, parsed JSON or text, headers) for a request; never raises on HTTP errors."""
+    """(status, parsed JSON or text, headers) for a request over TCP or, for an http+unix:// URL, a unix
+    socket; never raises on HTTP errors."""
     data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
     headers = {"Content-Type": "application/json", **(headers or {})} if data is not None else (headers or {})
-    request = urllib.request.Request(url, data=data, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
+    if url.startswith(UNIX_URL):
+        socket_path, _, path = url[len(UNIX_URL):].partition("/")
+        connection = UnixHTTPConnection(urllib.parse.unquote(socket_path), timeout)
+        try:
+            connection.request(method, "/" + path, body=data, headers=headers)
+            response = connection.getresponse()
             status, raw, hdrs = response.status, response.read(), response.headers
-    except urllib.error.HTTPError as e:
-        status, raw, hdrs = e.code, e.read(), e.headers
+        finally:
+            connection.close()
+    else:
+        request = urllib.request.Request(url, data=data, method=method, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                status, raw, hdrs = response.status, response.read(), response.headers
+        except urllib.error.HTTPError as e:
+            status, raw, hdrs = e.code, e.read(), e.headers
     text = raw.decode()
     try:
         return status, json.loads(text), hdrs
@@ -158,12 +191,18 @@ def http(method, url, body=None, headers=None, timeout=120):
 
 
 class ServerProcess:
-    def __init__(self, model_dir, compile_cache, *extra, env=None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = Path(model_dir).parent / f"serve-{self.port}.log"
-        cmd = [sys.executable, str(REPO / "serve.py"), "--model", str(model_dir), "--host", "127.0.0.1",
-               "--port", str(self.port), "--compile-cache", compile_cache, *map(str, extra)]
+    def __init__(self, model_dir, compile_cache, *extra, env=None, uds=None):
+        """serve.py on a free loopback port, or with uds (a path) on that unix socket."""
+        if uds:
+            self.port, self.uds, self.url = None, str(uds), unix_url(uds)
+            where = ["--uds", self.uds]
+        else:
+            self.port, self.uds = free_port(), None
+            self.url = f"http://127.0.0.1:{self.port}"
+            where = ["--host", "127.0.0.1", "--port", str(self.port)]
+        self.log_path = Path(model_dir).parent / f"serve-{self.port or Path(uds).name}.log"
+        cmd = [sys.executable, str(REPO / "serve.py"), "--model", str(model_dir), *where,
+               "--compile-cache", compile_cache, *map(str, extra)]
         self.log = open(self.log_path, "w")
         self.process = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env or script_env())
 
@@ -206,8 +245,8 @@ class ServerProcess:
 def start_server(compile_cache):
     servers = []
 
-    def start(model_dir, *extra, wait=True, env=None):
-        server = ServerProcess(model_dir, compile_cache, *extra, env=env)
+    def start(model_dir, *extra, wait=True, env=None, uds=None):
+        server = ServerProcess(model_dir, compile_cache, *extra, env=env, uds=uds)
         servers.append(server)
         return server.wait_ready() if wait else server
 

@@ -224,3 +224,20 @@ def test_seed_makes_runs_reproducible_and_dtype_is_honoured(tmp_path, tiny_model
     # The preset records the precision it was trained in (keras-hub casts to the Keras default on a plain reload).
     saved = json.loads((bf16_model / "config.json").read_text())["config"]["dtype"]
     assert saved["config"]["name"] == "bfloat16"
+
+
+def test_a_run_whose_plot_fails_still_publishes_the_model(tmp_path, tiny_model, run_train):
+    """matplotlib missing (as on a fresh TPU VM) must cost the plot, never the trained model."""
+    broken = tmp_path / "site"
+    (broken / "matplotlib").mkdir(parents=True)
+    (broken / "matplotlib" / "__init__.py").write_text("raise ImportError('No module named matplotlib')\n")
+    out = tmp_path / "model"
+    env = script_env(PYTHONPATH=f"{broken}:{REPO}")
+    result = run_train("--model", tiny_model, "--data", SAMPLE_DATA, "--limit", 8, "--eval-examples", 0,
+                       "--max-steps", 2, "--output", out, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "warning: loss.png was not written (ImportError: No module named matplotlib)" in result.stdout
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.weights.h5", "adapter.lora.h5", "training.json"} <= names
+    assert "loss.png" not in names and not out.with_name("model.partial").exists()
+    assert "loss.png" not in result.stdout.splitlines()[-1]
