@@ -112,6 +112,10 @@ def parse_args(argv=None):
                    help="the socket file's permissions, which are its access control: 600 (default) lets only this "
                         "user connect, 660 the group too")
     p.add_argument("--max-batch-size", type=int, default=8, help="most requests decoded together (default: 8)")
+    p.add_argument("--batch-sizes", default=None, metavar="N,N,...",
+                   help="batch sizes compiled at start-up, the largest being --max-batch-size (default: powers of "
+                        "two up to --max-batch-size); fewer start faster, a model of several minutes' warm-up per "
+                        "size (2B on one TPU chip) wants few, such as 1,8,64")
     p.add_argument("--length-buckets", default="128,256,512",
                    help="total lengths (prompt + new tokens) compiled at start-up; the largest is the longest "
                         "request served (default: %(default)s)")
@@ -142,6 +146,14 @@ def parse_args(argv=None):
     args.length_buckets = sorted({int(s) for s in args.length_buckets.split(",") if s.strip()})
     if not args.length_buckets or args.length_buckets[0] < 2:
         p.error("--length-buckets must list lengths of at least 2")
+    if args.batch_sizes is not None:
+        try:
+            args.batch_sizes = sorted({int(n) for n in args.batch_sizes.split(",") if n.strip()})
+        except ValueError:
+            p.error(f"--batch-sizes {args.batch_sizes}: write sizes such as 1,8,64")
+        if not args.batch_sizes or args.batch_sizes[0] < 1:
+            p.error("--batch-sizes must list sizes of at least 1")
+        args.max_batch_size = args.batch_sizes[-1]
     if args.max_batch_size < 1 or args.max_queue < 1 or args.max_connections < 1:
         p.error("--max-batch-size, --max-queue and --max-connections must be at least 1")
     if args.idle_timeout <= 0:
@@ -1329,6 +1341,11 @@ class Engine:
         self.encode, self.decode = make_text_codec(tokenizer)
         self.vocabulary_size = model.backbone.vocabulary_size
         self.pieces = tokenizer.get_vocabulary()
+        if self.vocabulary_size > len(self.pieces):
+            # Embedding rows past the tokenizer's pieces (a vocabulary padded to a round size) have no text:
+            # they read as empty, as the grammar's token table already has them.
+            decode, known = self.decode, len(self.pieces)
+            self.decode = lambda ids: decode([i for i in ids if i < known])
         self.bos, self.pad = tokenizer.start_token_id, tokenizer.pad_token_id or 0
         self.stop_ids = {tokenizer.end_token_id}
         if "<end_of_turn>" in tokenizer.get_vocabulary():
@@ -2606,6 +2623,8 @@ def chat_prompt(messages, template):
 
 def token_bytes(engine, token_id):
     """A token's own bytes: SentencePiece's '▁' is a space, '<0xAB>' pieces are single raw bytes."""
+    if token_id >= len(engine.pieces):  # a padded vocabulary's unused row (see Engine)
+        return b""
     piece = engine.pieces[token_id]
     if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
         return bytes([int(piece[3:5], 16)])
@@ -3399,12 +3418,13 @@ class Handler(BaseHTTPRequestHandler):
         return reply.status
 
 
-def batch_buckets(max_batch_size, batch_axis):
-    sizes, size = set(), 1
-    while size < max_batch_size:
-        sizes.add(size)
-        size *= 2
-    sizes.add(max_batch_size)
+def batch_buckets(max_batch_size, batch_axis, sizes=None):
+    if sizes is None:
+        sizes, size = set(), 1
+        while size < max_batch_size:
+            sizes.add(size)
+            size *= 2
+        sizes.add(max_batch_size)
     # Under data parallelism every batch must split evenly over the batch axis.
     return sorted({-(-s // batch_axis) * batch_axis for s in sizes})
 
@@ -3466,7 +3486,7 @@ def load(server):
             f"weights {METRICS.weight_bytes / 2**20:,.1f} MiB")
         server.state = "warming"
         server.adapters = adapter_slots_for(server, model, distribution)
-        engine = Engine(model, batch_buckets(args.max_batch_size, batch_axis), args.length_buckets, distribution,
+        engine = Engine(model, batch_buckets(args.max_batch_size, batch_axis, args.batch_sizes), args.length_buckets, distribution,
                         adapters=server.adapters, prefix_blocks=args.prefix_cache_blocks,
                         block_tokens=args.prefix_block_tokens)
         if engine.prefix is not None:

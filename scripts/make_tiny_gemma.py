@@ -1,6 +1,7 @@
 """Writes a random-weight Gemma in Hugging Face transformers layout, for offline tests and benchmarks.
 
     python3 scripts/make_tiny_gemma.py OUT_DIR [--hidden 64 --layers 2 ...]
+    python3 scripts/make_tiny_gemma.py OUT_DIR --config gemma_2b    # gemma-2b's shapes, 2.5B random weights
 
 OUT_DIR gets config.json ("model_type": "gemma"), model.safetensors and tokenizer.model: the same
 files hf://google/gemma-2b has, so keras-hub's converter loads it along the very code path the real
@@ -18,6 +19,10 @@ import sentencepiece as spm
 from safetensors.numpy import save_file
 
 SAMPLE_DATA = Path(__file__).resolve().parent.parent / "tests" / "data" / "dolly_sample.jsonl"
+# hf://google/gemma-2b's config.json. Its tokenizer has 256,000 pieces; ours, trained on the sample data,
+# far fewer: the embedding keeps the real row count (pad_vocab) so that the model costs what gemma-2b does.
+CONFIGS = {"gemma_2b": dict(hidden=2048, layers=18, heads=8, kv_heads=1, head_dim=256, intermediate=16384,
+                            pad_vocab=256000, dtype="float16")}
 
 
 def parse_args():
@@ -31,7 +36,15 @@ def parse_args():
     p.add_argument("--head-dim", type=int, default=16)
     p.add_argument("--intermediate", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args()
+    p.add_argument("--pad-vocab", type=int, default=0, help="embedding rows at least this many (unused ids)")
+    p.add_argument("--config", choices=sorted(CONFIGS), default=None,
+                   help="take every shape from a real model's config instead (weights stay random)")
+    p.add_argument("--dtype", choices=["float32", "float16"], default="float32",
+                   help="stored weights (float16 halves a large model's file; the converter casts on loading)")
+    args = p.parse_args()
+    for name, value in CONFIGS.get(args.config, {}).items():
+        setattr(args, name, value)
+    return args
 
 
 def corpus_lines():
@@ -69,15 +82,15 @@ def train_tokenizer(out_dir, vocab_size):
     return spm.SentencePieceProcessor(model_proto=model.getvalue()).vocab_size()
 
 
-def random_weights(cfg, rng):
+def random_weights(cfg, rng, dtype):
     h, heads, kv, hd, ff = (cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
                             cfg["head_dim"], cfg["intermediate_size"])
 
     def dense(rows, cols):
-        return (rng.standard_normal((rows, cols)) * (1.0 / np.sqrt(cols))).astype(np.float32)
+        return (rng.standard_normal((rows, cols), np.float32) * (1.0 / np.sqrt(cols))).astype(dtype)
 
     def norm():
-        return (rng.standard_normal(h) * 0.1).astype(np.float32)
+        return (rng.standard_normal(h) * 0.1).astype(dtype)
 
     weights = {"model.embed_tokens.weight": dense(cfg["vocab_size"], h), "model.norm.weight": norm()}
     for i in range(cfg["num_hidden_layers"]):
@@ -105,7 +118,7 @@ def main():
     config = {
         "architectures": ["GemmaForCausalLM"],
         "model_type": "gemma",
-        "vocab_size": vocab_size,
+        "vocab_size": max(vocab_size, args.pad_vocab),
         "hidden_size": args.hidden,
         "intermediate_size": args.intermediate,
         "num_hidden_layers": args.layers,
@@ -117,13 +130,14 @@ def main():
         "rope_theta": 10000.0,
         "hidden_act": "gelu",
         "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
-        "torch_dtype": "float32",
+        "torch_dtype": args.dtype,
     }
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    weights = random_weights(config, np.random.default_rng(args.seed))
+    weights = random_weights(config, np.random.default_rng(args.seed), np.dtype(args.dtype))
     save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     n_params = sum(w.size for w in weights.values())
-    print(f"wrote tiny Gemma to {out_dir}: vocab {vocab_size}, {n_params / 1e6:.2f}M parameters")
+    print(f"wrote a random Gemma to {out_dir}: vocab {config['vocab_size']} (tokenizer {vocab_size}), "
+          f"{n_params / 1e6:.2f}M parameters, {args.dtype}")
 
 
 if __name__ == "__main__":

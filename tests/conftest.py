@@ -21,8 +21,31 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 
+def on_accelerator():
+    """True when this process's JAX has a GPU or TPU (scripts/tpu_check.sh runs `pytest -m device` there)."""
+    import jax
+    return jax.default_backend() != "cpu"
+
+
+ACCELERATOR = on_accelerator()
+NO_SUBPROCESS_SERVER = ("serve.py in a subprocess: on an accelerator this process holds the chip (one process at a "
+                        "time may), and a TPU sandbox allows no TCP")
+if ACCELERATOR:
+    # Comparisons with numpy or keras-hub's own call: a TPU multiplies float32 in bfloat16 passes by default,
+    # good to three digits; the engine's math is what the device tests check, so give it full precision.
+    import jax
+    jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "device: in-process engine and training tests, run on a GPU/TPU by "
+                                       "`pytest -m device` (scripts/tpu_check.sh); on the CPU they run as any test")
+
+
 def script_env(**extra):
     env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
+    if ACCELERATOR:  # helpers (making and training the fixtures' models) keep off the chip this process holds
+        env["JAX_PLATFORMS"] = "cpu"
     env.update(extra)
     return env
 
@@ -246,6 +269,8 @@ def start_server(compile_cache):
     servers = []
 
     def start(model_dir, *extra, wait=True, env=None, uds=None):
+        if ACCELERATOR:
+            pytest.skip(NO_SUBPROCESS_SERVER)
         server = ServerProcess(model_dir, compile_cache, *extra, env=env, uds=uds)
         servers.append(server)
         return server.wait_ready() if wait else server

@@ -183,6 +183,7 @@ def tiny(tiny_model):
     return serve, model, shapes
 
 
+@pytest.mark.device
 def test_an_unloaded_adapter_keeps_its_slot_until_its_last_generation_ends(tiny, no_model, yes_model):
     import jax
     serve, model, shapes = tiny
@@ -205,6 +206,7 @@ def test_an_unloaded_adapter_keeps_its_slot_until_its_last_generation_ends(tiny,
     assert yes.slot == 1 and slots.acquire("yes") is yes
 
 
+@pytest.mark.device
 def test_prompts_prefilled_as_a_group_each_get_their_own_adapter(tiny, no_model, yes_model):
     import jax
     serve, model, shapes = tiny
@@ -229,6 +231,7 @@ def test_prompts_prefilled_as_a_group_each_get_their_own_adapter(tiny, no_model,
     assert min(np.abs(values[i] - values[j]).max() for i, j in ((0, 1), (0, 2), (1, 2))) > 1e-3
 
 
+@pytest.mark.device
 def test_peft_adapters_are_checked_against_the_base(tiny, no_model, tmp_path):
     from safetensors.numpy import load_file, save_file
     serve, model, shapes = tiny

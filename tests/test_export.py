@@ -43,6 +43,7 @@ def merged_by_peft_math(peft_dir, base_dir, out):
     return out
 
 
+@pytest.mark.device
 def test_peft_export_under_peft_math_gives_the_merged_model(no_model, tiny_model, tmp_path):
     config = json.loads((no_model / "peft" / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["task_type"] == "CAUSAL_LM" and config["bias"] == "none"
@@ -57,6 +58,7 @@ def test_peft_export_under_peft_math_gives_the_merged_model(no_model, tiny_model
     assert np.abs(logits(tiny_model) - ours).max() > 0.1  # and the adapter is really in there
 
 
+@pytest.mark.device
 def test_peft_export_of_all_linear_lora_with_alpha_under_peft_math(chat_model, tiny_model, tmp_path):
     """Every projection, alpha = 2 x rank, trained over an int8 base: PEFT's math on the float base gives
     the merged preset, and the config keeps the trained scale (lora_alpha / r = 2)."""
@@ -82,6 +84,7 @@ def test_transformers_export_reloads_with_the_merged_logits(fixture, request):
     assert_same_logits(logits(model_dir / "transformers"), logits(model_dir))
 
 
+@pytest.mark.device
 def test_transformers_export_never_drops_an_unmerged_lora(no_model, tiny_model, tmp_path):
     """keras-hub's exporter reads raw kernels: a LoRA-enabled model exports as if it had no adapter."""
     import keras_hub

@@ -14,6 +14,7 @@ from conftest import SERVE_FLAGS, http
 # ----------------------------------------------------------------------------- steps alone
 
 
+@pytest.mark.device
 def test_sample_on_hand_made_logits():
     logits = np.log(np.array([[0.1, 0.6, 0.3, 1e-9], [0.25, 0.25, 0.4, 0.1]], np.float32))
     n = len(logits)
@@ -42,6 +43,7 @@ def test_sample_on_hand_made_logits():
         assert sampled.tolist() == [1, 2]
 
 
+@pytest.mark.device
 def test_greedy_rows_wanting_no_alternatives_decode_as_those_that_want_them(engine):
     # logprobs=0 (the token's only) takes the argmax path; 3 alternatives take the top-k path.
     prompt = [engine.bos] + list(range(420, 437))
@@ -56,6 +58,7 @@ def test_greedy_rows_wanting_no_alternatives_decode_as_those_that_want_them(engi
     assert all(len(top) == 3 for _, _, top in asked.token_logprobs)
 
 
+@pytest.mark.device
 def test_once_a_sampled_row_frees_a_greedy_batch_takes_the_argmax_path(engine):
     """The argmax path runs when every row of the batch, free rows included, is greedy and wants no
     alternatives: a finished sampled request must not leave its settings in its row."""
@@ -79,6 +82,7 @@ def test_once_a_sampled_row_frees_a_greedy_batch_takes_the_argmax_path(engine):
     assert all(np.isneginf(top[..., 1:]).all() for top in tops[1:])
 
 
+@pytest.mark.device
 def test_insert_writes_one_row_of_a_hand_made_cache():
     cache = (np.zeros((3, 8, 1, 2), np.float32), np.zeros((3, 8, 1, 2), np.float32))  # Gemma 3: (batch, length, …)
     row = (np.ones((1, 4, 1, 2), np.float32), np.full((1, 4, 1, 2), 2.0, np.float32))
@@ -113,6 +117,7 @@ def decode_row_by_row_against_the_whole_sequence(model, length=16, starts=(3, 6)
     return cache, axes, ids[[0, 1], positions - 1], variables, values
 
 
+@pytest.mark.device
 def test_decode_with_local_layers_attending_their_window_equals_keras_hub_over_the_whole_sequence():
     """forward() reads only a sliding-window layer's window of the cache; the logits must be keras-hub's
     own full-sequence call, for rows at different positions in one batch, before and past the window."""
@@ -137,6 +142,7 @@ def test_decode_with_local_layers_attending_their_window_equals_keras_hub_over_t
     np.testing.assert_allclose(np.asarray(looped_logprobs[0]), np.asarray(unrolled_logprobs[0]), atol=1e-5)
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("family", ["gemma", "gemma2"])
 def test_gemma_1_and_2_decode_over_a_cache_per_layer_as_keras_hub_computes_the_sequence(family):
     """keras-hub stacks Gemma 1/2's layers into one cache array; the engine keeps one per layer (no
@@ -158,6 +164,7 @@ def test_gemma_1_and_2_decode_over_a_cache_per_layer_as_keras_hub_computes_the_s
 
 @pytest.mark.parametrize("axis, shape", [(1, (1, 32, 2, 3)),           # Gemma 3: per-layer (batch, length, heads, dim)
                                          (2, (1, 2, 32, 1, 3))])       # Gemma 1/2: per-layer (batch, 2, length, …)
+@pytest.mark.device
 def test_pool_blocks_store_and_gather_back_exactly(axis, shape):
     rng = np.random.default_rng(0)
     row = rng.standard_normal(shape).astype(np.float32)
@@ -171,6 +178,7 @@ def test_pool_blocks_store_and_gather_back_exactly(axis, shape):
     np.testing.assert_array_equal(np.take(gathered, range(24), axis=axis), np.take(row, range(24), axis=axis))
 
 
+@pytest.mark.device
 def test_hash_chains_match_whole_blocks_of_the_same_tokens_and_adapter():
     cache = serve.PrefixCache(blocks=8, block_tokens=4)
     ids = list(range(100, 111))  # 11 tokens: 2 full blocks
@@ -186,6 +194,7 @@ def test_hash_chains_match_whole_blocks_of_the_same_tokens_and_adapter():
     assert cache.allocate(keys) == []  # cached already: nothing to write
 
 
+@pytest.mark.device
 def test_one_prompt_longer_than_the_pool_never_gets_a_block_twice():
     cache = serve.PrefixCache(blocks=3, block_tokens=2)
     written = cache.allocate(cache.keys(list(range(10)), 0))  # 5 blocks into a pool of 3
@@ -196,6 +205,7 @@ def test_one_prompt_longer_than_the_pool_never_gets_a_block_twice():
     assert len(cache.allocate(cache.keys([50, 51], 0))) == 1
 
 
+@pytest.mark.device
 def test_eviction_takes_the_least_recently_used_and_never_a_held_block():
     cache = serve.PrefixCache(blocks=3, block_tokens=2)
     a, b, c, d = ([i, i] for i in (1, 2, 3, 4))
@@ -226,6 +236,7 @@ def greedy_rows(engine, prompts, max_tokens=8):
     return rows
 
 
+@pytest.mark.device
 def test_a_cached_prefix_gives_the_same_cache_and_tokens_as_computing_it(engine):
     prompt = [engine.bos] + list(range(40, 80))  # 41 tokens: 2 full blocks of 16
     first, = greedy_rows(engine, [prompt])
@@ -270,6 +281,7 @@ def without_prefix_cache(engine, fn):
 
 @pytest.mark.parametrize("sampling, seed", [(serve.SAMPLER_DEFAULTS["greedy"], 0),
                                             ({"temperature": 0.9, "top_k": 40, "top_p": 0.9}, 11)])
+@pytest.mark.device
 def test_prompts_admitted_together_are_prefilled_as_a_group_and_answer_as_alone(engine, sampling, seed):
     # Both in 32-token blocks, and new to the pool (a prompt with a cached prefix is prefilled after it).
     prompts = [[engine.bos] + list(range(start + seed, start + seed + 20)) for start in (800, 900)]
@@ -287,6 +299,7 @@ def test_prompts_admitted_together_are_prefilled_as_a_group_and_answer_as_alone(
             np.testing.assert_allclose([lp1] + [p for _, p in top1], [lp2] + [p for _, p in top2], atol=1e-5)
 
 
+@pytest.mark.device
 def test_a_group_prefills_what_each_prompt_gets_alone_and_a_shared_prefix_waits_for_the_pool(engine):
     """Three prompts admitted together: two fresh ones of one block go in a group; a third that begins
     with the first one's two full blocks is prefilled after the group, from the pool."""
@@ -412,6 +425,7 @@ def test_adapters_never_share_cached_blocks_with_the_base(adapter_server):
     assert yes["choices"][0]["text"] != base["choices"][0]["text"]
 
 
+@pytest.mark.device
 def test_near_the_end_of_the_cache_fewer_blocks_are_reused_so_the_rest_fits(engine):
     """Length 128, blocks 16: with 5 blocks (80 tokens) reused, the 45 left would need a 64-token block
     (80 + 64 > 128), so 4 are reused and the rest is one 64-token block."""
@@ -424,6 +438,7 @@ def test_near_the_end_of_the_cache_fewer_blocks_are_reused_so_the_rest_fits(engi
     assert cached.ids == plain.ids
 
 
+@pytest.mark.device
 def test_blocks_whose_write_failed_are_forgotten_and_reused():
     cache = serve.PrefixCache(blocks=2, block_tokens=2)
     keys = cache.keys([1, 2, 3, 4], 0)
@@ -453,6 +468,7 @@ def decode_alone(engine, generation, steps=None):
 
 @pytest.mark.parametrize("sampling, seed", [(serve.SAMPLER_DEFAULTS["greedy"], 0),
                                             ({"temperature": 0.9, "top_k": 40, "top_p": 0.9}, 7)])
+@pytest.mark.device
 def test_a_lone_request_in_long_chunks_gets_the_tokens_and_logprobs_of_short_ones(engine, sampling, seed):
     prompt = [engine.bos] + list(range(500, 520))
     short, long = (serve.Generation(prompt, 37, sampling, seed, [], None, logprobs=3) for _ in range(2))
@@ -465,6 +481,7 @@ def test_a_lone_request_in_long_chunks_gets_the_tokens_and_logprobs_of_short_one
         np.testing.assert_allclose([lp1] + [p for _, p in top1], [lp2] + [p for _, p in top2], atol=1e-5)
 
 
+@pytest.mark.device
 def test_a_fast_model_makes_longer_long_chunks_with_the_same_tokens(engine):
     prompt = [engine.bos] + list(range(520, 540))
     short, long = (serve.Generation(prompt, 90, serve.SAMPLER_DEFAULTS["greedy"], 0, [], None) for _ in range(2))
@@ -483,6 +500,7 @@ def test_a_fast_model_makes_longer_long_chunks_with_the_same_tokens(engine):
     assert long.ids == short.ids and len(long.ids) == 90
 
 
+@pytest.mark.device
 def test_a_long_chunk_ends_with_the_short_chunk_in_which_its_row_stopped(engine):
     prompt = [engine.bos] + list(range(600, 630))
     sampling = {"temperature": 1.0, "top_k": serve.CANDIDATES, "top_p": 1.0}  # varied tokens, seeded
@@ -501,6 +519,7 @@ def test_a_long_chunk_ends_with_the_short_chunk_in_which_its_row_stopped(engine)
     assert stopped.ids == reference.ids[:at] and stopped.finish_reason == "stop"
 
 
+@pytest.mark.device
 def test_streamed_and_waited_on_rows_keep_short_chunks(engine):
     prompt = [engine.bos] + list(range(700, 710))
     streamed = serve.Generation(prompt, 20, serve.SAMPLER_DEFAULTS["greedy"], 0, [], queue.Queue())
@@ -534,6 +553,7 @@ def answers(generations):
                                               for t, p, top in g.token_logprobs]) for g in generations]
 
 
+@pytest.mark.device
 def test_chunks_dispatched_ahead_answer_as_chunks_read_one_by_one_and_compile_nothing(engine, monkeypatch):
     ahead = serve.Engine(engine.model, [2], [64], None, dispatch_ahead=True)
     ahead.warm_up()
@@ -566,6 +586,7 @@ def test_chunks_dispatched_ahead_answer_as_chunks_read_one_by_one_and_compile_no
     assert all(g.done.is_set() for g in generations)
 
 
+@pytest.mark.device
 def test_a_finished_grammars_last_mask_does_not_reach_the_next_request_in_its_row(engine):
     import llguidance
     tokenizer = engine.model.preprocessor.tokenizer

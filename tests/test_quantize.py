@@ -107,3 +107,22 @@ def test_bad_quantization_combinations_are_one_clear_line(tiny_model, tmp_path):
                              "gptq"], capture_output=True, text=True, env=script_env(), timeout=300)
     assert result.returncode == 2 and "invalid choice: 'gptq'" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_layers_decode_as_keras_hub_computes_the_sequence(mode):
+    """The engine's steps on int8/int4 layers (and an int8 embedding, as serve.py --quantize makes them):
+    each decoded token's logits are keras-hub's own full-sequence call on the same quantized model."""
+    import keras
+    import keras_hub
+    from test_prefix_cache import decode_row_by_row_against_the_whole_sequence
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.GemmaBackbone(vocabulary_size=64, num_layers=2, num_query_heads=2,
+                                              num_key_value_heads=1, hidden_dim=32, intermediate_dim=64, head_dim=16,
+                                              dtype="float32")
+    model = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+    model.quantize(mode)
+    modes = {getattr(layer.dtype_policy, "quantization_mode", None) for layer in backbone._flatten_layers()}
+    assert mode in modes
+    decode_row_by_row_against_the_whole_sequence(model)

@@ -40,6 +40,7 @@ def one_step(model, examples, batches, accumulation, optimizer):
     return [np.asarray(v) for v in trainer.trainable], sums
 
 
+@pytest.mark.device
 def test_gradient_accumulation_is_one_step_on_the_union(tiny_model, examples):
     """Plain SGD, whose update is the gradient itself (Adam's first step is only its sign): two batches
     of two accumulated equal one batch of four, token for token; a mean of the two batches' means
@@ -56,6 +57,7 @@ def test_gradient_accumulation_is_one_step_on_the_union(tiny_model, examples):
     assert split_sums == pytest.approx(union_sums, rel=1e-5)  # loss sum, tokens, correct, gradient norm
 
 
+@pytest.mark.device
 def test_max_grad_norm_clips_the_update(tiny_model, examples):
     import keras
     start = [np.asarray(v) for v in in_process(tiny_model).trainable_variables]
@@ -66,6 +68,7 @@ def test_max_grad_norm_clips_the_update(tiny_model, examples):
         np.testing.assert_allclose(c - s, (f - s) / 4, rtol=1e-3, atol=1e-8)
 
 
+@pytest.mark.device
 def test_remat_gives_the_same_loss_and_update(tiny_model, examples):
     import keras
     plain, plain_sums = one_step(in_process(tiny_model), examples, [[0, 1, 2, 3]], 1, keras.optimizers.SGD(0.5))
@@ -76,6 +79,7 @@ def test_remat_gives_the_same_loss_and_update(tiny_model, examples):
         np.testing.assert_allclose(r, p, rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.device
 def test_all_linear_lora_with_alpha_trains_every_projection_at_its_scale(tiny_model):
     model = in_process(tiny_model, modules=train_local.LORA_MODULES, rank=4, alpha=8.0)
     layers = [train_local.lora_layer(model.backbone, i, m) for i in range(2) for m in train_local.LORA_MODULES]

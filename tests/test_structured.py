@@ -196,6 +196,7 @@ def test_the_openai_client_parses_into_a_pydantic_model(server):
     assert server.metric("serve_grammar_masks_total") > 0
 
 
+@pytest.mark.device
 def test_the_grammar_vocabulary_keeps_markers_special_and_bytes_raw(tiny_model):
     import keras_hub
     tokenizer = keras_hub.models.CausalLM.from_preset(str(tiny_model)).preprocessor.tokenizer
@@ -208,6 +209,7 @@ def test_the_grammar_vocabulary_keeps_markers_special_and_bytes_raw(tiny_model):
     assert grammar_tokens.decode_str(serve.make_text_codec(tokenizer)[0]("Hello world\n")) == "Hello world\n"
 
 
+@pytest.mark.device
 def test_apply_token_mask_on_a_hand_made_mask():
     logits = np.zeros((2, 70), np.float32)
     masks = np.zeros((2, 3), np.int32)

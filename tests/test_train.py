@@ -45,6 +45,7 @@ def test_output_dir_holds_preset_adapter_record_and_plot(trained_model):
     assert (trained_model / "loss.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.device
 def test_saved_model_reloads_as_plain_causal_lm_and_scores_like_the_trained_one(trained_model):
     import keras_hub
     record = json.loads((trained_model / "training.json").read_text())
@@ -61,6 +62,7 @@ def test_saved_model_reloads_as_plain_causal_lm_and_scores_like_the_trained_one(
     assert loss == pytest.approx(record["eval_loss_after"], abs=1e-4)
 
 
+@pytest.mark.device
 def test_lora_adapter_file_reproduces_the_merged_model(trained_model, tiny_model):
     import keras_hub
     merged = keras_hub.models.CausalLM.from_preset(str(trained_model))
@@ -89,6 +91,7 @@ def trainer_setup(tiny_model):
     return model, trainer, examples
 
 
+@pytest.mark.device
 def test_bucketed_loss_equals_unbucketed_loss(trainer_setup):
     _, trainer, examples = trainer_setup
     bucketed = trainer.evaluate(examples, [128, 256, 512], 4, 0, np.random.default_rng(0))
@@ -96,6 +99,7 @@ def test_bucketed_loss_equals_unbucketed_loss(trainer_setup):
     assert bucketed == pytest.approx(padded_to_512, abs=1e-5)
 
 
+@pytest.mark.device
 def test_reported_loss_is_the_true_per_token_loss(trainer_setup):
     model, trainer, examples = trainer_setup
     reported = trainer.evaluate(examples[:4], [512], 4, 0, np.random.default_rng(0))

@@ -1,10 +1,12 @@
-"""GPU check: the Gemma 2B architecture with random weights, bfloat16, rank-16 LoRA, on one accelerator.
+"""Accelerator measurements (the bench stage of scripts/tpu_check.sh): the Gemma 2B architecture with
+random weights, bfloat16, rank-16 LoRA, on one GPU or TPU chip.
 
-    python3 scripts/gpu_check.py [--config gemma_2b|tiny] [--steps 20] [--quantize int8]
+    python3 scripts/tpu_check.py [--config gemma_2b|tiny] [--steps 20] [--quantize int8] [--batches 1,8,64]
 
 Measures the product's own code paths: train_local.Trainer's compiled train step at batch 4 x 512
-(ms/step after compile, MFU against --peak-tflops), serve.Engine's batched decode (generated tokens/s
-at batch 1 and 8, with keras-hub's generate() as a reference), and peak device memory. Random weights
+(ms/step after compile, MFU against the chip's bf16 peak), serve.Engine's batched decode (generated
+tokens/s and warm-up seconds at each of --batches, with keras-hub's generate() as a reference when
+--reference is given), and peak device memory. Random weights
 and pre-tokenized arrays: nothing is downloaded and TensorFlow is not needed. `--config tiny` runs the
 same script in seconds on a CPU, to check it before spending device time. `--quantize int8` (or int4)
 measures the same with the dense layers quantized before LoRA is enabled (QLoRA, as `train_local.py
@@ -42,9 +44,17 @@ def parse_args():
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--sequence-length", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 dense peak (H200: ~790)")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="bf16 dense peak (default: the chip's, e.g. TPU v5e 197, H200 ~790)")
     p.add_argument("--quantize", choices=["none", "int8", "int4"], default="none")
+    p.add_argument("--batches", default="1,8,64", help="decode batch sizes to measure (default: %(default)s)")
+    p.add_argument("--reference", action="store_true", help="also time keras-hub's generate() (compiles it too)")
+    p.add_argument("--skip-train", action="store_true", help="decode only")
     return p.parse_args()
+
+
+PEAK_TFLOPS = {"TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v4": 275.0, "TPU v6 lite": 918.0, "NVIDIA H200": 790.0,
+               "NVIDIA H100 80GB HBM3": 790.0}
 
 
 def build_model(config, quantize):
@@ -170,28 +180,29 @@ def main():
           f"weights, LoRA rank 16 ({sum(math.prod(v.shape) for v in model.trainable_variables) / 1e6:.2f}M "
           f"trainable), built in {time.time() - started:.0f}s", flush=True)
 
-    ms, compile_s, loss = time_training(model, args)
-    flops = train_flops_per_step(model, args.batch_size, args.sequence_length)
-    mfu = flops / (ms / 1000) / (args.peak_tflops * 1e12)
-    print(f"train: {ms:.1f} ms/step at batch {args.batch_size} x {args.sequence_length} (compile {compile_s:.0f}s), "
-          f"{args.batch_size * args.sequence_length / ms * 1000:,.0f} tok/s, {flops / 1e12:.1f} TFLOP/step, "
-          f"MFU {mfu * 100:.1f}% of {args.peak_tflops:.0f} TFLOP/s, loss {loss:.2f}, "
-          f"target <= 60 ms: {'met' if ms <= 60 else 'NOT met'}", flush=True)
+    peak = args.peak_tflops or PEAK_TFLOPS.get(device.device_kind, 1.0)
+    if not args.skip_train:
+        ms, compile_s, loss = time_training(model, args)
+        flops = train_flops_per_step(model, args.batch_size, args.sequence_length)
+        mfu = flops / (ms / 1000) / (peak * 1e12)
+        print(f"train: {ms:.1f} ms/step at batch {args.batch_size} x {args.sequence_length} (compile "
+              f"{compile_s:.0f}s), {args.batch_size * args.sequence_length / ms * 1000:,.0f} tok/s, "
+              f"{flops / 1e12:.1f} TFLOP/step, MFU {mfu * 100:.1f}% of {peak:.0f} TFLOP/s, loss {loss:.2f}", flush=True)
     train_peak = peak_memory_gib()
     # Decoding reads every weight once a step: tokens/s a row <= read bandwidth / weight bytes (issue #21).
     bandwidth = read_bandwidth(256 if jax.default_backend() == "cpu" else 4096)
     limit = bandwidth / sum(w.value.nbytes for w in model.weights)
     print(f"limit: {limit:,.0f} tok/s a row ({bandwidth / 1e9:,.0f} GB/s read by a jitted sum over "
           f"{weights:.2f} GiB of weights)", flush=True)
-    for batch_size in (1, 8):
+    for batch_size in map(int, args.batches.split(",")):
         tps, compile_s = time_generation(model, args, batch_size)
-        reference = time_keras_hub_generate(model, args, batch_size) if args.quantize == "none" else None
-        print(f"generate: batch {batch_size}: {tps:,.0f} tok/s with serve.py's engine (compile {compile_s:.0f}s), "
+        reference = time_keras_hub_generate(model, args, batch_size) if args.reference else None
+        print(f"generate: batch {batch_size}: {tps:,.0f} tok/s with serve.py's engine (warm-up {compile_s:.0f}s), "
               f"{tps / (batch_size * limit):.0%} of {batch_size} x the limit"
               + (f"; keras-hub generate(): {reference:,.0f} tok/s" if reference else "")
               + f" ({args.new_tokens} new tokens after a 32-token prompt, its prefill included)", flush=True)
     print(f"memory: peak {peak_memory_gib():.1f} GiB on device (after training: {train_peak:.1f} GiB)")
-    if args.quantize == "none":  # last: it wraps the model's decoder blocks
+    if args.quantize == "none" and not args.skip_train:  # last: it wraps the model's decoder blocks
         plain, rematted = train_step_temporaries(model, args)
         print(f"remat: train step temporaries {plain:.2f} GiB without --remat, {rematted:.2f} GiB with it "
               f"(batch {args.batch_size} x {args.sequence_length})", flush=True)

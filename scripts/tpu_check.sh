@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# The accelerator check: the product on one TPU (or GPU) chip, in one call of the device tool.
+#
+#   here, once:  bash scripts/tpu_check.sh --fetch-wheels    # Python 3.11 wheels the TPU image lacks, into .whl-tpu/
+#   there:       run(command="bash scripts/tpu_check.sh", carry=[".whl-tpu"], timeout_s=600)
+#                run(command="bash scripts/tpu_check.sh bench", carry=[".whl-tpu"], timeout_s=600)
+#
+# Stages, in this order (name some to run only those; default: tests train serve):
+#   tests  the in-process engine and training tests, on the chip: pytest -m device, in one process
+#   train  train_local.py, the real command line, on a random Gemma of gemma-2b's shapes, bfloat16
+#   serve  serve.py --uds on it with the trained output as an adapter, driven by curl and scripts/uds_check.py:
+#          completions, chat, streaming, a prefix-cached system prompt, a JSON schema, the adapter; then tokens/s
+#          and time to first token at 1, 8, 32 and 64 concurrent clients, and the compilations they caused
+#   bench  scripts/tpu_check.py: train ms/step and MFU, decode tokens/s next to the bandwidth limit and warm-up
+#          seconds at batch 1, 8 and 64, for bfloat16, then int8, then int4 (one 2B warm-up per batch: minutes)
+# Every stage writes its log unbuffered under $OUT as it goes, so a call cut short still reports, and
+# the stages share TPU_CHECK_SECONDS (default 540) of wall clock: what has no time left says so.
+# On a machine with the project's requirements it runs as is, e.g. `TPU_CHECK_CONFIG=tiny bash scripts/tpu_check.sh`
+# (a small model, to try the script on a CPU before spending device time).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if [ "${1:-}" = "--fetch-wheels" ]; then
+  # keras-hub imports tokenizers; kagglehub is left out: without kagglesdk it breaks keras-hub's import.
+  exec python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 --implementation cp \
+    --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl-tpu \
+    keras==3.15.1 keras-hub==0.32.0 tokenizers==0.23.3 sentencepiece==0.2.3 safetensors==0.8.0 llguidance==1.9.1 \
+    optree namex rich h5py absl-py regex markdown-it-py mdurl pygments packaging typing-extensions
+fi
+stages="${*:-tests train serve}"
+out="${OUT:-/tmp/tpu_check}"
+mkdir -p "$out"
+summary="$out/tpu_check.md"
+budget="${TPU_CHECK_SECONDS:-540}"
+config="${TPU_CHECK_CONFIG:-gemma_2b}"
+work="${TPU_CHECK_WORK:-/tmp/tpu_check_work}"
+started=$SECONDS
+export KERAS_BACKEND=jax PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=3
+if [ -d .whl-tpu ] && ! python3 -c "import keras_hub" 2>/dev/null; then
+  PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target /tmp/site .whl-tpu/*.whl || exit 1
+  export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/site"
+fi
+if [ -d /opt/pypi/simple ] && ! python3 -c "import matplotlib, jsonschema" 2>/dev/null; then  # the TPU image's index
+  PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --only-binary=:all: --no-cache-dir \
+    --index-url file:///opt/pypi/simple --target /tmp/site-index matplotlib jsonschema >/dev/null 2>&1 \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site-index"
+fi
+
+left() { echo $((budget - (SECONDS - started))); }
+row() { echo "$*" | tee -a "$summary"; }
+# Runs a stage's command under the time left, its output unbuffered into $out/NAME.log (or $log.log) as it
+# comes: at most 8 files come back from a device call, so a stage's steps share one.
+run_stage() {
+  local name=$1; shift
+  local t; t=$(left)
+  if [ "$t" -lt 20 ]; then row "| $name | not run: no time left of ${budget}s |"; return 1; fi
+  local t0=$SECONDS
+  timeout --signal=INT --kill-after=10 "$t" "$@" >>"$out/${log:-$name}.log" 2>&1
+  local rc=$?
+  [ $rc -eq 124 ] && echo "(cut at the ${t}s left)" >>"$out/${log:-$name}.log"
+  echo "$name: exit $rc in $((SECONDS - t0))s" | tee -a "$summary"
+  return $rc
+}
+
+row "# tpu_check $(git rev-parse --short HEAD 2>/dev/null) $(date -u +%Y-%m-%dT%H:%MZ): $stages, config $config"
+python3 -c "import jax; d = jax.devices()[0]; print(f'device: {d.device_kind} x{jax.device_count()} ({jax.default_backend()}), jax {jax.__version__}')" 2>&1 | tee -a "$summary"
+row "| stage | result |"
+row "|---|---|"
+mkdir -p "$work"
+data=tests/data/dolly_sample.jsonl
+model="$work/model-$config" tuned="$work/tuned-$config" sock="$work/serve.sock"
+[ "$config" = tiny ] && shape=() || shape=(--config "$config")
+
+for stage in $stages; do
+  case $stage in
+  tests)
+    run_stage tests python3 -m pytest -m device -q -p no:cacheprovider -o addopts= tests
+    row "| tests (pytest -m device, on $(python3 -c 'import jax; print(jax.devices()[0].device_kind)' 2>/dev/null)) | $(grep -E '^[0-9]+ (passed|failed)|^=+ .*(passed|failed|error)' "$out/tests.log" | tail -1 | tr -d '=') |"
+    ;;
+  train)
+    [ -f "$model/model.safetensors" ] || log=train run_stage make_model python3 scripts/make_tiny_gemma.py "$model" "${shape[@]}"
+    # One sequence bucket and no held-out set: one train step to compile, as a long run on real data has.
+    run_stage train python3 train_local.py --model "$model" --data "$data" --dtype bfloat16 --limit 96 \
+      --eval-examples 0 --buckets 512 --max-steps 16 --output "$tuned" --overwrite --compile-cache "$work/xla"
+    row "| train (train_local.py, bfloat16, 16 steps of 4 x 512) | $(grep -E '^(wrote|done:|saved:|warning:)' "$out/train.log" | tr '\n' ' ') |"
+    ;;
+  serve)
+    rm -f "$sock"
+    t=$(left)
+    python3 serve.py --model "$model" --adapter "tuned=$tuned" --uds "$sock" --dtype bfloat16 \
+      --length-buckets 256 --batch-sizes 1,8,64 --compile-cache "$work/xla" >"$out/serve.log" 2>&1 &
+    server=$!
+    up=0
+    while [ "$(left)" -gt 30 ] && kill -0 $server 2>/dev/null; do
+      [ "$(curl -s -o /dev/null -w '%{http_code}' --unix-socket "$sock" http://localhost/health)" = 200 ] && { up=1; break; }
+      sleep 2
+    done
+    grep -E "warm-up|ready on" "$out/serve.log" | tee -a "$summary"
+    if [ $up = 1 ]; then
+      row "curl --unix-socket: $(curl -s --unix-socket "$sock" http://localhost/v1/completions \
+        -H 'Content-Type: application/json' -d '{"prompt": "The river", "max_tokens": 8}' | head -c 300)"
+      run_stage uds_check python3 scripts/uds_check.py "$sock" --adapter tuned
+      cat "$out/uds_check.log" | tee -a "$summary"
+    else
+      row "| serve | not ready in time: $(tail -2 "$out/serve.log" | tr '\n' ' ') |"
+    fi
+    kill -TERM $server 2>/dev/null; wait $server
+    row "serve: exit $? after SIGTERM; $(grep -E '^[0-9:]+ (POST|GET) ' "$out/serve.log" | grep -vc ' 200 ') requests not 200"
+    ;;
+  bench)
+    for q in ${TPU_CHECK_QUANTIZE:-none int8 int4}; do  # int4 last: a call cut short still has the first two
+      flags=(--quantize "$q"); [ "$q" = none ] || flags+=(--steps 10)
+      [ "$config" = tiny ] && flags+=(--config tiny)
+      run_stage "bench_$q" python3 scripts/tpu_check.py "${flags[@]}"
+      grep -E "^(model|limit|train|generate|memory):" "$out/bench_$q.log" | tee -a "$summary"
+    done
+    ;;
+  *) echo "unknown stage $stage (tests, train, serve, bench)"; exit 2 ;;
+  esac
+done
+row "total: $((SECONDS - started))s of ${budget}s"
