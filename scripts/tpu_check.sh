@@ -15,17 +15,18 @@
 #          seconds at batch 1, 8 and 64, for bfloat16, then int8, then int4 (one 2B warm-up per batch: minutes)
 # Every stage writes its log unbuffered under $OUT as it goes, so a call cut short still reports, and
 # the stages share TPU_CHECK_SECONDS (default 540) of wall clock: what has no time left says so.
-# On a machine with the project's requirements it runs as is, e.g. `TPU_CHECK_CONFIG=tiny bash scripts/tpu_check.sh`
+# TPU_CHECK_BATCHES (serve's --batch-sizes, default 1,8,64) and TPU_CHECK_K (a pytest -k expression) make a
+# stage lighter. On a machine with the project's requirements it runs as is, e.g. `TPU_CHECK_CONFIG=tiny bash scripts/tpu_check.sh`
 # (a small model, to try the script on a CPU before spending device time).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--fetch-wheels" ]; then
-  # keras-hub imports tokenizers; kagglehub is left out: without kagglesdk it breaks keras-hub's import.
+  # keras-hub imports tokenizers, structured output protobuf (SentencePiece's model proto); kagglehub is left out: without kagglesdk it breaks keras-hub's import.
   exec python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 --implementation cp \
     --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl-tpu \
     keras==3.15.1 keras-hub==0.32.0 tokenizers==0.23.3 sentencepiece==0.2.3 safetensors==0.8.0 llguidance==1.9.1 \
-    optree namex rich h5py absl-py regex markdown-it-py mdurl pygments packaging typing-extensions
+    protobuf==7.36.2 optree namex rich h5py absl-py regex markdown-it-py mdurl pygments packaging typing-extensions
 fi
 stages="${*:-tests train serve}"
 out="${OUT:-/tmp/tpu_check}"
@@ -75,7 +76,7 @@ model="$work/model-$config" tuned="$work/tuned-$config" sock="$work/serve.sock"
 for stage in $stages; do
   case $stage in
   tests)
-    run_stage tests python3 -m pytest -m device -q -p no:cacheprovider -o addopts= tests
+    run_stage tests python3 -m pytest -m device -q -p no:cacheprovider -o addopts= tests ${TPU_CHECK_K:+-k "$TPU_CHECK_K"}
     row "| tests (pytest -m device, on $(python3 -c 'import jax; print(jax.devices()[0].device_kind)' 2>/dev/null)) | $(grep -E '^[0-9]+ (passed|failed)|^=+ .*(passed|failed|error)' "$out/tests.log" | tail -1 | tr -d '=') |"
     ;;
   train)
@@ -88,8 +89,8 @@ for stage in $stages; do
   serve)
     rm -f "$sock"
     t=$(left)
-    python3 serve.py --model "$model" --adapter "tuned=$tuned" --uds "$sock" --dtype bfloat16 \
-      --length-buckets 256 --batch-sizes 1,8,64 --compile-cache "$work/xla" >"$out/serve.log" 2>&1 &
+    python3 serve.py --model "$model" --adapter "tuned=$tuned" --max-lora-rank 128 --uds "$sock" --dtype bfloat16 \
+      --length-buckets 256 --batch-sizes "${TPU_CHECK_BATCHES:-1,8,64}" --compile-cache "$work/xla" >"$out/serve.log" 2>&1 &
     server=$!
     up=0
     while [ "$(left)" -gt 30 ] && kill -0 $server 2>/dev/null; do

@@ -84,7 +84,6 @@ def test_transformers_export_reloads_with_the_merged_logits(fixture, request):
     assert_same_logits(logits(model_dir / "transformers"), logits(model_dir))
 
 
-@pytest.mark.device
 def test_transformers_export_never_drops_an_unmerged_lora(no_model, tiny_model, tmp_path):
     """keras-hub's exporter reads raw kernels: a LoRA-enabled model exports as if it had no adapter."""
     import keras_hub

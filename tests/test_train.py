@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import train_local
-from conftest import REPO, SAMPLE_DATA, script_env
+from conftest import ACCELERATOR, REPO, SAMPLE_DATA, script_env
 
 RECORD_KEYS = {"args", "prompt_template", "history", "eval_loss_before", "eval_loss_after", "tokens_per_second",
                "nonpad_tokens_per_second", "seconds", "truncated_examples"}
@@ -110,7 +110,10 @@ def test_reported_loss_is_the_true_per_token_loss(trainer_setup):
     nll = -np.take_along_axis(log_probs, labels[..., None], -1)[..., 0]
     true_loss = (nll * weights).sum() / weights.sum()
     keras_style = (nll * weights).sum() / weights.size  # what fit() would print: divided by padding too
-    assert reported == pytest.approx(true_loss, rel=1e-4)
+    # On a TPU v5e the compiled eval step and this eager call differed by 0.6% (7.450 against 7.407) even at
+    # 'highest' matmul precision; keras may pick another attention kernel for each. The point stands: the
+    # loss is per real token, a third or less of what dividing by the padding too would say.
+    assert reported == pytest.approx(true_loss, rel=1e-2 if ACCELERATOR else 1e-4)
     assert keras_style < true_loss / 3
 
 
