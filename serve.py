@@ -31,6 +31,7 @@ import os
 import queue
 import random
 import re
+import select
 import selectors
 import signal
 import socket
@@ -62,8 +63,9 @@ CANDIDATES = 128
 TOP_LOGPROBS = 20  # most alternatives a request may ask log-probabilities for (OpenAI's limit)
 DECODE_CHUNK = 4  # tokens decoded per dispatch to the device
 # ...and, when no request waits for a row, in the smallest batch (see decode_until_done), at least
-# LONG_CHUNK and at most LONGEST_CHUNK: as many as the last long dispatch says fit in LONG_CHUNK_SECONDS.
-LONG_CHUNK, LONGEST_CHUNK, LONG_CHUNK_SECONDS = 16, 64, 0.05
+# LONG_CHUNK and at most LONGEST_CHUNK: as many as the last long dispatch says fit in LONG_CHUNK_SECONDS,
+# which is how long a request arriving meanwhile may wait for its row (bench_convoy.py: 0.05 s gave 2.8x).
+LONG_CHUNK, LONGEST_CHUNK, LONG_CHUNK_SECONDS = 16, 64, 0.02
 UNROLL_FROM_BYTES = 64 << 20  # weights from which a decode chunk is unrolled (see decode_chunk)
 # Prompts of up to GROUP_BLOCK tokens that are admitted together are prefilled in groups of these sizes
 # (see prefill_group); a batch smaller than a size never uses it.
@@ -211,7 +213,7 @@ class Metrics:
         self.latency_sum = 0.0
         self.prompt_tokens = self.generated_tokens = self.compilations = self.cancelled = 0
         self.cached_prompt_tokens = self.prefix_bytes = self.prefix_blocks = 0
-        self.prefill_groups = self.grouped_prompts = 0
+        self.prefill_groups = self.grouped_prompts = self.batch_resizes = 0
         self.grammar_masks, self.grammar_mask_seconds = 0, 0.0  # masks computed, host time computing them
         self.prefix_used = lambda: 0
         self.refused_connections = self.idle_closed = 0
@@ -268,6 +270,8 @@ class Metrics:
                       "# HELP serve_prefill_groups_total Dispatches that prefilled several prompts admitted "
                       "together.", "# TYPE serve_prefill_groups_total counter",
                       f"serve_prefill_groups_total {self.prefill_groups}",
+                      "# HELP serve_batch_resizes_total Times the decode batch grew or shrank in place.",
+                      "# TYPE serve_batch_resizes_total counter", f"serve_batch_resizes_total {self.batch_resizes}",
                       "# HELP serve_grouped_prompts_total Prompts prefilled in those dispatches.",
                       "# TYPE serve_grouped_prompts_total counter",
                       f"serve_grouped_prompts_total {self.grouped_prompts}",
@@ -1307,6 +1311,10 @@ class PrefixCache:
         return len(self.by_key)
 
 
+# One batch size's compiled programs (see Engine.batch_programs); resize: {size: program} for its neighbours.
+BatchPrograms = collections.namedtuple("BatchPrograms", "new_cache insert decode decode_long next_tokens resize")
+
+
 class Engine:
     """Owns the model and its compiled programs. Every row of a decode batch keeps its own position,
     so a request takes a free row as soon as one opens (continuous batching), starts right after its
@@ -1374,13 +1382,18 @@ class Engine:
         if self.prefix is not None:
             if any(length % block_tokens for length in length_buckets):
                 raise LoadError(f"--prefix-block-tokens {block_tokens} must divide every --length-buckets length")
-            self.pool = self.put(jax.tree.map(
-                lambda s, axis: np.zeros((prefix_blocks + 1,) + s.shape[1:axis] + (block_tokens,) + s.shape[axis + 1:],
-                                         s.dtype), cache_shapes(model, 1, 8), self.axes), replicated=True)
+            self.pool = self.empty_pool()
             self.pool_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(self.pool)) * prefix_blocks // (
                 prefix_blocks + 1)
             self._gather = jax.jit(bound(gather_blocks, self.axes), out_shardings=rows)
             self._store = jax.jit(bound(store_blocks, self.axes), donate_argnums=(0,))
+
+    def empty_pool(self):
+        import jax
+        blocks, size = self.prefix.blocks, self.prefix.block_tokens
+        return self.put(jax.tree.map(
+            lambda s, axis: np.zeros((blocks + 1,) + s.shape[1:axis] + (size,) + s.shape[axis + 1:], s.dtype),
+            cache_shapes(self.model, 1, 8), self.axes), replicated=True)
 
     def batch_programs(self, batch, long):
         """(new cache, insert, decode, decode until done or None, next tokens) for one batch size. The
@@ -1397,9 +1410,28 @@ class Engine:
             return jax.jit(functools.partial(fn, self.model, self.variables, self.adapters, self.axes, self.unroll),
                            static_argnums=(2, 3), donate_argnums=(1,), out_shardings=((None, None), layout))
         rows = None if self.distribution is None else self.distribution.get_data_layout((batch,)).backend_layout
-        return (new_cache, jax.jit(functools.partial(insert, self.axes), donate_argnums=(0,), out_shardings=layout),
-                decoder(decode_chunk), decoder(decode_until_done) if long else None,
-                jax.jit(next_tokens, out_shardings=rows))
+        return BatchPrograms(
+            new_cache, jax.jit(functools.partial(insert, self.axes), donate_argnums=(0,), out_shardings=layout),
+            decoder(decode_chunk), decoder(decode_until_done) if long else None,
+            jax.jit(next_tokens, out_shardings=rows),
+            {size: self.resize_program(size) for size in self.neighbours(batch)})
+
+    def resize_program(self, size):
+        """Copies chosen rows of a batch's cache into a cache of `size` rows, in that batch's layout."""
+        import jax
+        shapes = cache_shapes(self.model, size, self.max_length)
+        layout = None if self.distribution is None else jax.tree.map(
+            lambda s: self.distribution.get_data_layout(s.shape).backend_layout, shapes)
+        return jax.jit(resize_cache, out_shardings=layout)
+
+    def neighbours(self, batch):
+        """The sizes a batch of `batch` rows resizes to directly: the next smaller and larger buckets."""
+        at = self.batch_buckets.index(batch)
+        return self.batch_buckets[max(at - 1, 0):at] + self.batch_buckets[at + 1:at + 2]
+
+    def neighbour(self, batch, up):
+        at = self.batch_buckets.index(batch)
+        return self.batch_buckets[at + 1 if up else at - 1]
 
     def long_limit(self):
         """How many tokens a long dispatch may make: as many as fit in long_chunk_seconds at the last long
@@ -1505,7 +1537,10 @@ class Engine:
             try:
                 self.pool = self._store(self.pool, row, sources, targets)
             except BaseException:
-                prefix.forget([block for _, block in written])  # never match a block that was not written
+                # The store donates the pool: whatever failed, its buffer may be gone. A fresh pool, and no
+                # key left to match a block that is not in it.
+                prefix.forget(list(prefix.by_key.values()))
+                self.pool = self.empty_pool()
                 raise
 
     def prefill_row(self, generation, keys=None):
@@ -1559,67 +1594,8 @@ class Engine:
         return [done[id(generation)] for generation in generations]
 
     def warm_up(self):
-        """Compiles every program once, so requests never compile: per batch size, decode over each
-        window (a chunk of DECODE_CHUNK tokens, one masked token for grammars and, in the smallest batch,
-        up to LONG_CHUNK tokens) and an insert for each prompt block; per prompt block, a prefill, and up
-        to GROUP_BLOCK, one per group size; with a prefix cache, per window a gather and a prefill after
-        each prefix length that fits, per block a pool write."""
-        prefix, self.prefix = self.prefix, None  # warm-up prompts must take the plain prefill, every block of it
-        for batch in self.batch_buckets:
-            started = time.time()
-            # The longest prompt that leaves room for one new token is prefilled in the largest block.
-            rows = [Generation([self.bos] * min(block, self.max_length - 1), 1, SAMPLER_DEFAULTS["greedy"], 0, [],
-                               None) for block in self.prompt_blocks]
-            decoding = self.generate(rows, batch)
-            for window in self.length_buckets:
-                for steps in (DECODE_CHUNK, 1) + ((LONG_CHUNK,) if decoding.decode_long is not None else ()):
-                    decoding.step(window, steps)
-            if self.dispatch_ahead:
-                for _ in range(2):  # the second chunk is dispatched ahead of reading the first: next_tokens
-                    decoding.step(self.length_buckets[0], DECODE_CHUNK)
-                decoding.settle()
-            log(f"warm-up: batch {batch}: compiled decode over windows {','.join(map(str, self.length_buckets))}"
-                f" and prompt blocks {','.join(map(str, self.prompt_blocks))} in {time.time() - started:.1f}s"
-                f" (chunks of {DECODE_CHUNK} and 1"
-                f"{f' and up to {LONGEST_CHUNK}' if decoding.decode_long else ''} tokens"
-                f"{', unrolled' if self.unroll else ''}{', dispatched ahead' if self.dispatch_ahead else ''})")
-        self.prefix = prefix
-        if self.group_sizes:
-            import jax
-            started = time.time()
-            for block in self.group_blocks:
-                for size in self.group_sizes:
-                    jax.block_until_ready(self._prefill_group(
-                        self.values, self.tokens([[self.bos]] * size, block), self.lora_tables,
-                        self.feed(np.zeros(size, np.int32), replicated=True)))
-            log(f"warm-up: compiled prefills of {','.join(map(str, self.group_sizes))} prompts at once in blocks "
-                f"{','.join(map(str, self.group_blocks))} in {time.time() - started:.1f}s")
-        if self.prefix is not None:
-            import jax
-            started, size = time.time(), self.prefix.block_tokens
-            scratch, outputs = self.prefix.scratch, []
-            for length in self.prompt_blocks:
-                row = self._prefill(self.values, self.tokens([[self.bos]], length), self.lora_tables, np.int32(0))
-                self.pool = self._store(self.pool, row, np.zeros(length // size, np.int32),
-                                        np.full(length // size, scratch, np.int32))
-                if length in self.length_buckets:
-                    row = self._gather(self.pool, np.full(length // size, scratch, np.int32))
-                    for suffix in (s for s in self.prompt_blocks if s <= length - size):
-                        outputs.append(self._prefill_after_prefix(self.values, row, self.tokens([[self.bos]], suffix),
-                                                                  np.int32(size), self.lora_tables, np.int32(0)))
-            # Dispatch is asynchronous: unwaited, these prefills (seconds of work on a CPU) would still be
-            # running when the first requests come, and delay them (Gemma 3 270M: 3 s more for the first 8).
-            jax.block_until_ready((self.pool, outputs))
-            log(f"warm-up: prefix cache of {self.prefix.blocks} blocks of {size} tokens "
-                f"({self.pool_bytes / 2**20:,.1f} MiB): compiled its copies and the prefills after a prefix in "
-                f"{time.time() - started:.1f}s")
-        if self.adapters is not None:  # the slot update adapters are loaded with, on a copy (the tables stay)
-            import jax
-            slots = self.adapters
-            empty = jax.tree.map(lambda t: np.zeros(t.shape[1:], t.dtype), slots.tables)
-            jax.block_until_ready(slots._write(slots.tables, np.int32(0), slots.put(empty)))
-            log(f"warm-up: {slots.max_adapters} adapter slots of rank {slots.max_rank} on "
-                f"{','.join(slots.modules)}: {slots.slot_bytes / 2**20:,.1f} MiB each")
+        """Compiles every program once, so requests never compile (see WarmUp)."""
+        WarmUp(self).run()
 
     def generate(self, rows, batch):
         """Decodes `rows` (Generation objects) in a batch of `batch` rows (or the smallest compiled size
@@ -1633,11 +1609,123 @@ class Engine:
         return decoding
 
 
+def resize_cache(cache, index):
+    """A cache whose row i is row index[i] of `cache`: a batch grown or shrunk in place."""
+    import jax
+    import jax.numpy as jnp
+    return jax.tree.map(lambda c: jnp.take(c, index, axis=0), cache)
+
+
 def cache_length(cache, axes):
     """The number of positions a cache holds."""
     import jax
     leaf, axis = jax.tree.leaves(cache)[0], jax.tree.leaves(axes)[0]
     return leaf.shape[axis]
+
+
+# ----------------------------------------------------------------------------- warm-up
+
+class WarmUp:
+    """Compiles every program an Engine runs, once, so requests never compile: per batch size, decode
+    over each window (a chunk of DECODE_CHUNK tokens, one masked token for grammars and, in the smallest
+    batch, up to LONG_CHUNK tokens) and an insert for each prompt block; the copies that grow and shrink
+    a batch to its neighbouring sizes; per prompt block, a prefill, and up to GROUP_BLOCK, one per group
+    size; with a prefix cache, per window a gather and a prefill after each prefix length that fits,
+    per block a pool write; with adapters, the slot update. Each part logs what it compiled and its time."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def run(self):
+        engine = self.engine
+        prefix, engine.prefix = engine.prefix, None  # warm-up prompts must take the plain prefill, every block of it
+        for batch in engine.batch_buckets:
+            self.decode(batch)
+        engine.prefix = prefix
+        self.resizes()
+        self.group_prefills()
+        self.prefix_cache()
+        self.adapter_slots()
+
+    def decode(self, batch):
+        engine, started = self.engine, time.time()
+        # The longest prompt that leaves room for one new token is prefilled in the largest block.
+        rows = [Generation([engine.bos] * min(block, engine.max_length - 1), 1, SAMPLER_DEFAULTS["greedy"], 0, [],
+                           None) for block in engine.prompt_blocks]
+        decoding = engine.generate(rows, batch)
+        for window in engine.length_buckets:
+            for steps in (DECODE_CHUNK, 1) + ((LONG_CHUNK,) if decoding.decode_long is not None else ()):
+                decoding.step(window, steps)
+        if engine.dispatch_ahead:
+            for _ in range(2):  # the second chunk is dispatched ahead of reading the first: next_tokens
+                decoding.step(engine.length_buckets[0], DECODE_CHUNK)
+            decoding.settle()
+        log(f"warm-up: batch {batch}: compiled decode over windows {','.join(map(str, engine.length_buckets))}"
+            f" and prompt blocks {','.join(map(str, engine.prompt_blocks))} in {time.time() - started:.1f}s"
+            f" (chunks of {DECODE_CHUNK} and 1"
+            f"{f' and up to {LONGEST_CHUNK}' if decoding.decode_long else ''} tokens"
+            f"{', unrolled' if engine.unroll else ''}{', dispatched ahead' if engine.dispatch_ahead else ''})")
+
+    def resizes(self):
+        engine = self.engine
+        if len(engine.batch_buckets) < 2:
+            return
+        import jax
+        started = time.time()
+        for batch in engine.batch_buckets:
+            cache = engine.programs[batch].new_cache()
+            for size, resize in engine.programs[batch].resize.items():
+                jax.block_until_ready(resize(cache, np.zeros(size, np.int32)))
+        log(f"warm-up: compiled the copies that grow and shrink a batch between sizes "
+            f"{','.join(map(str, engine.batch_buckets))} in {time.time() - started:.1f}s")
+
+    def group_prefills(self):
+        engine = self.engine
+        if not engine.group_sizes:
+            return
+        import jax
+        started = time.time()
+        for block in engine.group_blocks:
+            for size in engine.group_sizes:
+                jax.block_until_ready(engine._prefill_group(
+                    engine.values, engine.tokens([[engine.bos]] * size, block), engine.lora_tables,
+                    engine.feed(np.zeros(size, np.int32), replicated=True)))
+        log(f"warm-up: compiled prefills of {','.join(map(str, engine.group_sizes))} prompts at once in blocks "
+            f"{','.join(map(str, engine.group_blocks))} in {time.time() - started:.1f}s")
+
+    def prefix_cache(self):
+        engine = self.engine
+        if engine.prefix is None:
+            return
+        import jax
+        started, size = time.time(), engine.prefix.block_tokens
+        scratch, outputs = engine.prefix.scratch, []
+        for length in engine.prompt_blocks:
+            row = engine._prefill(engine.values, engine.tokens([[engine.bos]], length), engine.lora_tables, np.int32(0))
+            engine.pool = engine._store(engine.pool, row, np.zeros(length // size, np.int32),
+                                        np.full(length // size, scratch, np.int32))
+            if length in engine.length_buckets:
+                row = engine._gather(engine.pool, np.full(length // size, scratch, np.int32))
+                for suffix in (s for s in engine.prompt_blocks if s <= length - size):
+                    outputs.append(engine._prefill_after_prefix(
+                        engine.values, row, engine.tokens([[engine.bos]], suffix), np.int32(size), engine.lora_tables,
+                        np.int32(0)))
+        # Dispatch is asynchronous: unwaited, these prefills (seconds of work on a CPU) would still be
+        # running when the first requests come, and delay them (Gemma 3 270M: 3 s more for the first 8).
+        jax.block_until_ready((engine.pool, outputs))
+        log(f"warm-up: prefix cache of {engine.prefix.blocks} blocks of {size} tokens "
+            f"({engine.pool_bytes / 2**20:,.1f} MiB): compiled its copies and the prefills after a prefix in "
+            f"{time.time() - started:.1f}s")
+
+    def adapter_slots(self):
+        slots = self.engine.adapters
+        if slots is None:
+            return
+        import jax  # the slot update adapters are loaded with, on a copy (the tables stay)
+        empty = jax.tree.map(lambda t: np.zeros(t.shape[1:], t.dtype), slots.tables)
+        jax.block_until_ready(slots._write(slots.tables, np.int32(0), slots.put(empty)))
+        log(f"warm-up: {slots.max_adapters} adapter slots of rank {slots.max_rank} on "
+            f"{','.join(slots.modules)}: {slots.slot_bytes / 2**20:,.1f} MiB each")
 
 
 class DecodeBatch:
@@ -1648,7 +1736,7 @@ class DecodeBatch:
 
     def __init__(self, engine, size):
         self.engine, self.size, self.length = engine, size, engine.max_length
-        self.new_cache, self.insert, self.decode, self.decode_long, self.next_tokens = engine.programs[size]
+        self.new_cache, self.insert, self.decode, self.decode_long, self.next_tokens, _ = engine.programs[size]
         self.cache = self.new_cache()
         self.rows = [None] * size
         self.positions = np.zeros(size, np.int32)  # where each row's next input token goes
@@ -1670,6 +1758,10 @@ class DecodeBatch:
         # The last chunk dispatched whose tokens are not read yet: (sampled, logprobs, [(row, generation)],
         # positions it started from, steps). Its rows' last tokens feed the next chunk on the device.
         self.pending = None
+        # Every generation admitted and not yet seen to finish. A row whose generation ends in the pending
+        # chunk is refilled before that chunk is read: from then on only this set (and the chunk) holds
+        # it, and fail() must still finish it.
+        self.taken = set()
 
     @property
     def free_rows(self):
@@ -1701,8 +1793,10 @@ class DecodeBatch:
         first decode step re-reads its last prompt token."""
         rows = self.free_row_ids()[:len(generations)]
         assert len(rows) == len(generations), "more generations than free rows"
+        self.taken = {g for g in self.taken if g.finish_reason is None}
         for row, generation in zip(rows, generations):
             self.rows[row] = generation  # held by the batch from here: a failure below finishes it
+            self.taken.add(generation)
             generation.started = time.time()
             self.slots[row] = generation.slot
         for row, generation, (row_cache, cached) in zip(rows, generations, self.engine.prefill_rows(generations)):
@@ -1770,6 +1864,9 @@ class DecodeBatch:
             steps = 1
         self.first_token_due = False
         busy = [(row, g) for row, g in enumerate(self.rows) if g is not None]
+        for row in self.ending_rows():  # what this chunk makes there is dropped: let it not cost the argmax path
+            if self.temperature[row] > 0 or self.alternatives[row] > 0:
+                self.set_sampling(row, SAMPLER_DEFAULTS["greedy"])
         if self.sampling is None:
             self.sampling = [engine.feed(a) for a in (self.slots, self.temperature, self.top_k, self.top_p, self.seeds,
                                                       self.alternatives)]
@@ -1848,12 +1945,39 @@ class DecodeBatch:
         self.set_sampling(row, SAMPLER_DEFAULTS["greedy"])
 
     def fail(self, reason):
-        pending = [] if self.pending is None else [g for _, g in self.pending[2]]
         self.pending = None
-        for generation in self.rows + pending:
-            if generation is not None and generation.finish_reason is None:
+        for generation in self.taken:
+            if generation.finish_reason is None:
                 generation.finish(reason)
+        self.taken = set()
         self.rows = [None] * self.size
+
+    def resized(self, size):
+        """The same rows in a batch of `size` (the next compiled size at a time): the pending chunk is read
+        first, then every held row's cache, position and settings are copied. Growing keeps each row
+        where it is; shrinking packs the held rows first."""
+        self.settle()
+        batch = self
+        while batch.size != size:
+            step = self.engine.neighbour(batch.size, up=size > batch.size)
+            kept = list(range(batch.size)) if step > batch.size else [
+                row for row, g in enumerate(batch.rows) if g is not None]
+            batch = batch.copied(step, kept)
+        METRICS.add("batch_resizes")
+        return batch
+
+    def copied(self, size, kept):
+        """A batch of `size` whose row i is this batch's row kept[i] (rows past them free)."""
+        new = DecodeBatch(self.engine, size)
+        index = np.array(kept + [0] * (size - len(kept)), np.int32)
+        new.cache = self.engine.programs[self.size].resize[size](self.cache, index)
+        self.cache = None  # its buffers may be donated; this batch is done
+        for name in ("positions", "tokens", "temperature", "top_k", "top_p", "seeds", "alternatives", "slots",
+                     "masks"):
+            getattr(new, name)[:len(kept)] = getattr(self, name)[kept]
+        new.rows[:len(kept)] = [self.rows[row] for row in kept]
+        new.masked_rows, new.first_token_due, new.taken = self.masked_rows, self.first_token_due, self.taken
+        return new
 
 
 # ----------------------------------------------------------------------------- scheduler
@@ -1944,27 +2068,38 @@ class QueueFull(Exception):
 
 
 class Worker:
-    """One thread owns the model. Requests queue here and are decoded in a batch whose rows they take
-    as rows free up. A batch keeps its size while it runs; when more requests wait than it has rows and
-    a larger size exists, it stops taking requests, finishes what it holds, and the next batch is sized
-    for what waits."""
+    """One thread owns the model. Requests queue here and take rows of the decode batch at its next
+    dispatch. When more wait than it has free rows, the batch grows in place to the size that holds
+    them (resized(): its rows' caches copied by a program compiled at warm-up, nothing drained); when
+    few rows are left busy, it shrinks the same way, so a long request alone decodes in a small batch."""
 
     def __init__(self, engine, max_batch_size, window_seconds, max_queue):
         self.engine, self.max_batch_size, self.window = engine, max_batch_size, window_seconds
         self.queue = queue.Queue()  # from the HTTP threads
         self.waiting = collections.deque()  # the worker's own, in arrival order
         self.max_queue = max_queue
+        self.lock = threading.Lock()  # submit's check and put, as one
         self.busy = 0
+        self.batch = None  # the DecodeBatch running, if any
+        self.thread = None
         METRICS.queue_depth = self.depth
+
+    def start(self):
+        self.thread = threading.Thread(target=self.run, daemon=True, name="model-worker")
+        self.thread.start()
+
+    def alive(self):
+        return self.thread is not None and self.thread.is_alive()
 
     def depth(self):
         return self.queue.qsize() + len(self.waiting)
 
     def submit(self, generations):
-        if self.depth() + len(generations) > self.max_queue:
-            raise QueueFull()
-        for g in generations:
-            self.queue.put(g)
+        with self.lock:  # concurrent handlers must not both pass the check and overshoot --max-queue
+            if self.depth() + len(generations) > self.max_queue:
+                raise QueueFull()
+            for g in generations:
+                self.queue.put(g)
 
     def idle(self):
         return not self.depth() and not self.busy
@@ -1978,53 +2113,73 @@ class Worker:
                 return
 
     def run(self):
-        while True:
-            if not self.waiting:
-                self.waiting.append(self.queue.get())
-                # A short window lets a burst of requests start together in a batch of the right size.
-                deadline = time.time() + self.window
-                while len(self.waiting) < self.max_batch_size and time.time() < deadline:
-                    try:
-                        self.waiting.append(self.queue.get(timeout=max(0.0, deadline - time.time())))
-                    except queue.Empty:
-                        break
-            self.busy = 1
-            first = list(self.waiting)[:self.max_batch_size]
-            size = self.engine.batch_for(len(first))
-            decoding = None
-            try:
-                decoding = DecodeBatch(self.engine, size)
-                self.decode(decoding)
-            except Exception as e:  # never let one bad batch kill the worker
-                log(f"error: batch of {size} failed: {type(e).__name__}: {e}")
-                if decoding is not None:
-                    decoding.fail("error")
-                else:  # the batch could not even be set up: fail those it was for, not the whole line
-                    for g in first:
-                        self.waiting.remove(g)
-                        g.finish("error")
-            finally:
-                self.busy = 0
+        try:
+            while True:
+                self.run_batch()
+        except BaseException as e:  # the worker is gone: /health says so, and nothing may wait on it
+            log(f"error: the model worker stopped: {type(e).__name__}: {e}")
+            self.collect()
+            for g in self.waiting:
+                g.finish("error")
+            raise
 
-    def decode(self, decoding):
-        taking = True
+    def run_batch(self):
+        if not self.waiting:
+            self.waiting.append(self.queue.get())
+            # A short window lets a burst of requests start together in a batch of the right size.
+            deadline = time.time() + self.window
+            while len(self.waiting) < self.max_batch_size and time.time() < deadline:
+                try:
+                    self.waiting.append(self.queue.get(timeout=max(0.0, deadline - time.time())))
+                except queue.Empty:
+                    break
+        self.busy = 1
+        first = list(self.waiting)[:self.max_batch_size]
+        size = self.engine.batch_for(len(first))
+        try:
+            self.batch = DecodeBatch(self.engine, size)
+            self.decode()
+        except Exception as e:  # never let one bad batch kill the worker
+            log(f"error: batch of {self.batch.size if self.batch else size} failed: {type(e).__name__}: {e}")
+            if self.batch is not None:
+                self.batch.fail("error")
+            else:  # the batch could not even be set up: fail those it was for, not the whole line
+                for g in first:
+                    self.waiting.remove(g)
+                    g.finish("error")
+        finally:
+            self.batch, self.busy = None, 0
+
+    def target_size(self):
+        """The batch size for the rows held (past the pending chunk) and those waiting; None to keep it.
+        Shrinking waits until a quarter of the rows or fewer are wanted: a row that frees and refills must
+        not resize the batch each time."""
+        batch = self.batch
+        target = min(self.engine.batch_for(batch.size - batch.free_rows + len(self.waiting)), self.max_batch_size)
+        if target > batch.size or target * 4 <= batch.size:
+            return target
+        return None
+
+    def decode(self):
         while True:
             self.collect()
             for g in [g for g in self.waiting if g.cancelled]:
                 self.waiting.remove(g)
                 g.finish("cancelled")
-            decoding.release_cancelled()
-            if not decoding.active and decoding.size > self.engine.batch_for(len(self.waiting)):
+            self.batch.release_cancelled()
+            if not self.batch.active and self.batch.size > self.engine.batch_for(len(self.waiting)):
                 return  # emptied (its clients left): what waits now gets a batch of its own size
-            if taking and self.waiting and decoding.free_rows:
-                decoding.admit_all([self.waiting.popleft() for _ in range(min(decoding.free_rows, len(self.waiting)))])
-            if taking and self.waiting and decoding.size < self.max_batch_size:
-                taking = False  # more waiting than rows: let this batch drain and start a larger one
-            if not decoding.active:
+            target = self.target_size()
+            if target is not None:
+                self.batch = self.batch.resized(target)
+            if self.waiting and self.batch.free_rows:
+                self.batch.admit_all([self.waiting.popleft()
+                                      for _ in range(min(self.batch.free_rows, len(self.waiting)))])
+            if not self.batch.active:
                 return
-            METRICS.observe_batch(decoding.active)
+            METRICS.observe_batch(self.batch.active)
             self.collect()
-            decoding.step(quiet=not self.waiting)
+            self.batch.step(quiet=not self.waiting)
 
 
 # ----------------------------------------------------------------------------- API
@@ -2070,14 +2225,28 @@ class Server:
         self.grammar_tokenizer = None  # llguidance's view of the vocabulary, for structured output
         self.grammars = collections.OrderedDict()  # grammar text -> compiled LLMatcher, least recently used first
 
+    def advance(self, state):
+        """Moves to `state` unless shutdown has begun: a loader finishing its warm-up after a SIGTERM must
+        not announce itself ready."""
+        with self.lock:
+            if self.state != "shutting_down":
+                self.state = state
+            return self.state == state
+
+    def status(self):
+        """The state, "failed" once the worker thread is gone: /health must not say ok while requests hang."""
+        if self.state == "ready" and self.worker is not None and not self.worker.alive():
+            return "failed"
+        return self.state
+
 
 def health(server, req):
-    ready = server.state == "ready"
-    return Reply(200 if ready else 503, {"status": "ok" if ready else server.state})
+    state = server.status()
+    return Reply(200 if state == "ready" else 503, {"status": "ok" if state == "ready" else state})
 
 
 def metrics_page(server, req):
-    return Reply(text=METRICS.render(server.state == "ready"), content_type="text/plain; version=0.0.4")
+    return Reply(text=METRICS.render(server.status() == "ready"), content_type="text/plain; version=0.0.4")
 
 
 def list_models(server, req):
@@ -2465,8 +2634,9 @@ def is_number(value):
 
 
 def ready_engine(server):
-    if server.state != "ready":
-        raise RequestError(503, f"model is {server.state}", "overloaded_error", {"Retry-After": "5"})
+    state = server.status()
+    if state != "ready":
+        raise RequestError(503, f"model is {state}", "overloaded_error", {"Retry-After": "5"})
     return server.engine
 
 
@@ -3097,42 +3267,80 @@ class Listener(ThreadingHTTPServer):
 
 
 class Hangups:
-    """One thread that learns from the OS (epoll, kqueue) the moment a client closes, half-closes or
-    resets a connection whose generations are running, and cancels them, so the worker frees their
-    rows at its next chunk and the handler threads need not poll their sockets."""
+    """One thread that learns from the OS the moment a client closes, half-closes or resets a connection
+    whose generations are running, and cancels them, so the worker frees their rows at its next chunk
+    and the handler threads need not poll their sockets. On Linux it asks epoll for the hang-up alone
+    (EPOLLRDHUP): bytes a client pipelines after its request do not end the watch, and a disconnect after
+    them is still seen. Elsewhere a readable socket is peeked: the end of the stream is a hang-up, and
+    after pipelined bytes the connection is no longer watched (they would make it readable forever)."""
 
     def __init__(self):
-        self.selector = selectors.DefaultSelector()
         self.lock = threading.Lock()
+        self.epoll = select.epoll() if hasattr(select, "epoll") else None
+        self.selector = None if self.epoll else selectors.DefaultSelector()
+        self.watched = {}  # fd -> (connection, generations)
         threading.Thread(target=self.run, daemon=True, name="hangups").start()
 
     def watch(self, connection, generations):
         with self.lock:
-            try:
-                self.selector.register(connection, selectors.EVENT_READ, generations)
-            except (KeyError, ValueError):  # already watched (a keep-alive connection's next request)
-                self.selector.modify(connection, selectors.EVENT_READ, generations)
+            fd = connection.fileno()
+            self.watched[fd] = connection, generations
+            try:  # an fd seen before: a keep-alive connection's next request, or a closed one's number reused
+                if self.epoll:
+                    self.epoll.register(fd, select.EPOLLRDHUP | select.EPOLLHUP | select.EPOLLERR)
+                else:
+                    self.selector.register(connection, selectors.EVENT_READ)
+            except (KeyError, ValueError, FileExistsError):
+                if self.epoll:
+                    self.epoll.modify(fd, select.EPOLLRDHUP | select.EPOLLHUP | select.EPOLLERR)
+                else:
+                    self.selector.modify(connection, selectors.EVENT_READ)
 
     def forget(self, connection):
-        with self.lock:
+        with self.lock:  # by identity: a closed connection's fileno() is -1
+            fd = next((fd for fd, (c, _) in self.watched.items() if c is connection), None)
+            if fd is None:
+                return
+            del self.watched[fd]
             try:
-                self.selector.unregister(connection)
-            except (KeyError, ValueError):
+                if self.epoll:
+                    self.epoll.unregister(fd)
+                else:
+                    self.selector.unregister(connection)
+            except (KeyError, ValueError, OSError):
                 pass
 
     def run(self):
         while True:
-            for key, _ in self.selector.select(timeout=0.5):
-                try:  # readable: the end of the stream, a reset, or (rarely) a pipelined next request
-                    gone = key.fileobj.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-                except (BlockingIOError, InterruptedError):
+            if self.epoll:
+                fds = [fd for fd, _ in self.epoll.poll(0.5)]
+            else:
+                fds = [key.fd for key, _ in self.selector.select(timeout=0.5)]
+            for fd in fds:
+                with self.lock:
+                    connection, generations = self.watched.get(fd, (None, ()))
+                # Asked of the connection itself: the event may be a closed one's whose number is reused.
+                gone = None if connection is None else self.hung_up(connection)
+                if gone is None:
                     continue
-                except OSError:
-                    gone = True
-                self.forget(key.fileobj)  # either way there is nothing more to learn from it
+                self.forget(connection)  # either way there is nothing more to learn from it
                 if gone:
-                    for g in key.data:
+                    for g in generations:
                         g.cancel()
+
+    def hung_up(self, connection):
+        """True if the client closed, half-closed or reset; None if not (or not yet known); False after
+        pipelined bytes where only a peek can tell (then the connection is no longer watched)."""
+        if self.epoll:
+            check = select.poll()
+            check.register(connection, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+            return True if check.poll(0) else None
+        try:
+            return connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError:
+            return True
 
 
 def refuse_connection(connection, limit):
@@ -3484,7 +3692,8 @@ def load(server):
         log(f"model: {type(model).__name__} from {args.model} loaded in {time.time() - started:.1f}s: {dtype}"
             f"{'' if args.quantize == 'none' else ' with ' + args.quantize + ' weights'}, "
             f"weights {METRICS.weight_bytes / 2**20:,.1f} MiB")
-        server.state = "warming"
+        if not server.advance("warming"):
+            return
         server.adapters = adapter_slots_for(server, model, distribution)
         engine = Engine(model, batch_buckets(args.max_batch_size, batch_axis, args.batch_sizes), args.length_buckets, distribution,
                         adapters=server.adapters, prefix_blocks=args.prefix_cache_blocks,
@@ -3504,16 +3713,16 @@ def load(server):
             f"{METRICS.compilations} XLA compilations in {time.time() - started:.1f}s")
         server.engine = engine
         server.worker = Worker(engine, engine.batch_buckets[-1], args.batch_window_ms / 1000, args.max_queue)
-        threading.Thread(target=server.worker.run, daemon=True, name="model-worker").start()
-        server.state = "ready"
-        log(f"ready on {where(args)}")
+        server.worker.start()
+        if server.advance("ready"):
+            log(f"ready on {where(args)}")
     except LoadError as e:
         log(f"error: {e}")
-        server.state = "unloadable"
+        server.advance("unloadable")
         os.kill(os.getpid(), signal.SIGTERM)
     except Exception as e:
         log(f"error: could not serve {args.model}: {type(e).__name__}: {e}")
-        server.state = "failed"
+        server.advance("failed")
         os.kill(os.getpid(), signal.SIGTERM)
 
 
@@ -3535,10 +3744,12 @@ def main(argv=None):
         signal.signal(sig, lambda *_: stop.set())
     threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True).start()
     log(f"listening on {where(args)}; loading {args.model} (/health is 503 until ready)")
-    threading.Thread(target=load, args=(server,), daemon=True).start()
+    loader = threading.Thread(target=load, args=(server,), daemon=True, name="loader")
+    loader.start()
     stop.wait()
-    failed = {"failed": 1, "unloadable": 2}.get(server.state, 0)
-    server.state = "shutting_down"
+    with server.lock:
+        failed = {"failed": 1, "unloadable": 2}.get(server.state, 0)
+        server.state = "shutting_down"
     log("shutting down: no new connections; finishing in-flight requests")
     httpd.shutdown()
     deadline = time.time() + args.shutdown_timeout
@@ -3546,6 +3757,12 @@ def main(argv=None):
         time.sleep(0.05)
     httpd.server_close()
     log("stopped")
+    if loader.is_alive():
+        # Stopped mid-warm-up: finalising the interpreter while XLA compiles on the loader's thread aborts
+        # the process (seen on a TPU: "terminate called ...", SIGABRT, a core dump). Nothing is left to save.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(failed)
     return failed
 
 

@@ -95,6 +95,31 @@ def test_a_streaming_client_that_leaves_is_cancelled(server):
     wait_for_metric(server, "serve_cancelled_total", cancelled + 1)
 
 
+@pytest.mark.parametrize("family", ["tcp", "unix"])
+def test_the_hangup_watch_outlasts_pipelined_bytes_and_sees_the_client_leave(family):
+    """Bytes after a request (a pipelined request, a stray CRLF) must not end the watch: a disconnect
+    after them still cancels the generations."""
+    import serve
+    if family == "unix":
+        ours, theirs = socket.socketpair()
+    else:
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            theirs = socket.create_connection(listener.getsockname())
+            ours, _ = listener.accept()
+    hangups = serve.Hangups()
+    g = serve.Generation([2, 3], 5, serve.SAMPLER_DEFAULTS["greedy"], 0, [], None)
+    hangups.watch(ours, [g])
+    theirs.sendall(b"\r\nGET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    time.sleep(0.3)
+    assert not g.cancelled
+    theirs.close()
+    deadline = time.time() + 10
+    while not g.cancelled and time.time() < deadline:
+        time.sleep(0.01)
+    assert g.cancelled
+    ours.close()
+
+
 def test_an_oversized_body_gets_a_readable_413(server):
     status, answer, _ = post_raw(server.port, b"x" * (20 << 20))
     assert status == 413 and "over the 4096-byte limit" in answer["error"]["message"]

@@ -1,0 +1,218 @@
+"""The scheduler: requests join the running batch at its next dispatch, the batch grows and shrinks in
+place, and every admitted request is finished whatever fails."""
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import serve
+
+SEEDED = {"temperature": 0.9, "top_k": 40, "top_p": 0.9}
+GREEDY = serve.SAMPLER_DEFAULTS["greedy"]
+SYSTEM = list(range(500, 532))  # two full prefix blocks of 16: prompts that share it reuse its KV
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model, no_model, yes_model):
+    """Batches of 1, 2 and 4 over the tiny model, two LoRA adapters and a prefix cache."""
+    import jax
+    model, _, shapes = serve.load_model(serve.parse_args(["--model", str(tiny_model)]))
+    vocabulary = model.preprocessor.tokenizer.get_vocabulary()
+    slots = serve.AdapterSlots(model.backbone, shapes, ["q_proj", "v_proj"], 2, 64, put=jax.device_put)
+    for name, path in (("no", no_model), ("yes", yes_model)):
+        slots.load(serve.read_adapter(name, path, model.backbone, shapes, vocabulary))
+    engine = serve.Engine(model, [1, 2, 4], [64, 128], None, adapters=slots, prefix_blocks=32, block_tokens=16)
+    engine.long_chunk_seconds = 0
+    return engine
+
+
+def generations(engine):
+    """Five requests: greedy and seeded, with and without log-probabilities, on the base and on each
+    adapter, two after a shared system prompt (prefix-cached once it has been seen)."""
+    specs = [(GREEDY, 0, None, SYSTEM + [600, 601], 14), (SEEDED, 5, "yes", list(range(640, 660)), 11),
+             (GREEDY, 0, "no", SYSTEM + [602, 603, 604], 9), (SEEDED, 8, None, list(range(700, 706)), 13),
+             (GREEDY, 0, "yes", list(range(720, 745)), 7)]
+    out = []
+    for sampling, seed, adapter, ids, max_tokens in specs:
+        g = serve.Generation([engine.bos] + ids, max_tokens, sampling, seed, [], None, logprobs=2)
+        if adapter is not None:
+            g.adapter = engine.adapters.acquire(adapter)
+            g.slot = g.adapter.slot
+            g.releases.append(lambda a=g.adapter: engine.adapters.release(a))
+        out.append(g)
+    return out
+
+
+def assert_same_answers(got, want):
+    for g, w in zip(got, want):
+        assert g.ids == w.ids and g.finish_reason == w.finish_reason
+        assert [t for t, _, _ in g.token_logprobs] == [t for t, _, _ in w.token_logprobs]
+        np.testing.assert_allclose([lp for _, lp, _ in g.token_logprobs], [lp for _, lp, _ in w.token_logprobs],
+                                   atol=1e-4)
+
+
+def held_nothing(engine):
+    return not any(engine.prefix.holders) and not any(engine.adapters.refs[1:])
+
+
+@pytest.mark.device
+def test_a_batch_grown_and_shrunk_mid_generation_answers_as_one_of_its_final_size(engine):
+    reference = generations(engine)
+    engine.generate(reference, 4)  # the system prompt's blocks are in the pool from here
+    assert held_nothing(engine)
+
+    grown = generations(engine)
+    batch = serve.DecodeBatch(engine, 1)
+    batch.admit(grown[0])
+    batch.step()
+    batch = batch.resized(2)  # one row busy mid-generation, one joins
+    assert batch.size == 2 and batch.rows[0] is grown[0]
+    batch.admit(grown[1])
+    batch.step()
+    batch = batch.resized(4)
+    assert batch.size == 4 and batch.rows[:2] == grown[:2]
+    batch.admit_all(grown[2:4])
+    while batch.free_rows == 0:
+        batch.step()
+    batch.admit(grown[4])
+    while batch.active > 1:
+        batch.step()
+    last = next(g for g in batch.rows if g is not None)
+    batch = batch.resized(1)  # the last one left finishes alone
+    assert batch.size == 1 and batch.rows == [last]
+    while batch.active:
+        batch.step()
+    assert grown[2].cached_tokens == 32 and all(g.done.is_set() for g in grown)
+    assert_same_answers(grown, reference)
+    assert held_nothing(engine)
+
+
+def run_worker(engine, max_batch_size=4):
+    worker = serve.Worker(engine, max_batch_size, 0.0, 100)
+    worker.start()
+    return worker
+
+
+def wait_idle(worker, timeout=60):
+    deadline = time.time() + timeout
+    while not worker.idle() and time.time() < deadline:
+        time.sleep(0.01)
+    return worker.idle()
+
+
+@pytest.mark.device
+def test_a_request_arriving_during_a_long_one_joins_at_the_next_dispatch(engine):
+    worker = run_worker(engine)
+    long = serve.Generation([engine.bos] + list(range(800, 810)), 110, GREEDY, 0, [], None)
+    short = serve.Generation([engine.bos] + list(range(820, 830)), 6, GREEDY, 0, [], None)
+    worker.submit([long])
+    while len(long.ids) < 4:
+        time.sleep(0.001)
+    worker.submit([short])
+    short.done.wait(60)
+    assert short.finish_reason == "length" and long.finish_reason is None  # no convoy behind the long one
+    long.done.wait(60)
+    assert len(long.ids) == 110 and wait_idle(worker)
+
+
+def failing_on_a_handed_on_row(monkeypatch):
+    """DecodeBatch.settle raises, once, when reading a chunk one of whose rows was already handed to the
+    next request: the chunk is then the only holder of the request that ended there. Returns the
+    requests it held that way."""
+    settle, orphans = serve.DecodeBatch.settle, []
+
+    def flaky(self, chunk=None):
+        if chunk is not None and not orphans:
+            orphans.extend(g for row, g in chunk[2] if self.rows[row] is not g)
+            if orphans:
+                raise RuntimeError("injected: reading the chunk failed")
+        return settle(self, chunk)
+    monkeypatch.setattr(serve.DecodeBatch, "settle", flaky)
+    return orphans
+
+
+@pytest.mark.device
+def test_a_chunk_that_fails_to_read_finishes_every_request_the_batch_took(engine, monkeypatch):
+    """Dispatched ahead (forced on the CPU), a row whose request ends in the chunk in flight is refilled
+    before that chunk is read: the failure must still finish that request and give back what it held."""
+    monkeypatch.setattr(engine, "dispatch_ahead", True)
+    orphans = failing_on_a_handed_on_row(monkeypatch)
+    worker = run_worker(engine, max_batch_size=2)
+    gens = generations(engine)
+    for g in gens:
+        g.max_tokens = 5  # rows end inside chunks and are handed on early
+    worker.submit(gens)
+    assert all(g.done.wait(60) for g in gens), [g.finish_reason for g in gens]
+    assert orphans and all(g.finish_reason == "error" for g in orphans)
+    assert wait_idle(worker) and held_nothing(engine)
+    after = serve.Generation([engine.bos, 900, 901], 3, GREEDY, 0, [], None)
+    worker.submit([after])
+    assert after.done.wait(60) and after.finish_reason == "length" and wait_idle(worker)
+
+
+@pytest.mark.device
+def test_a_failed_pool_store_leaves_a_fresh_pool_and_no_key_to_match(engine, monkeypatch):
+    prompt = [engine.bos] + list(range(1000, 1040))
+
+    def broken(pool, *args):
+        raise RuntimeError("injected: the pool write failed")
+    monkeypatch.setattr(engine, "_store", broken)
+    g = serve.Generation(prompt, 2, GREEDY, 0, [], None)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.prefill_row(g)
+    serve.release_all([g])
+    monkeypatch.undo()
+    assert engine.prefix.match(engine.prefix_keys(g)) == [] and engine.prefix.used() == 0
+    import jax
+    assert all(not leaf.is_deleted() for leaf in jax.tree.leaves(engine.pool))
+    first, again = (serve.Generation(prompt, 4, GREEDY, 0, [], None) for _ in range(2))
+    engine.generate([first], 1)
+    engine.generate([again], 1)
+    assert again.cached_tokens == 32 and again.ids == first.ids and held_nothing(engine)
+
+
+def test_concurrent_submits_never_overshoot_the_queue_limit():
+    class Stalled:  # a worker whose thread never runs: only submit() fills its queue
+        pass
+    worker = serve.Worker(Stalled(), 4, 0.0, 10)
+    start, refused = threading.Barrier(32), []
+
+    def client():
+        start.wait()
+        try:
+            worker.submit([object()])
+        except serve.QueueFull:
+            refused.append(1)
+    threads = [threading.Thread(target=client) for _ in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert worker.depth() == 10 and len(refused) == 22
+
+
+# ----------------------------------------------------------------------------- the server
+
+def test_a_sigterm_during_warm_up_exits_cleanly(trained_model, start_server):
+    server = start_server(trained_model, "--batch-sizes", "1,2,4,8", wait=False)
+    deadline = time.time() + 120
+    while "warm-up" not in server.output() and "model:" not in server.output() and time.time() < deadline:
+        time.sleep(0.05)
+    server.process.terminate()
+    assert server.process.wait(60) == 0
+    output = server.output()
+    assert "stopped" in output and "ready on" not in output and "Traceback" not in output
+
+
+def test_health_is_503_once_the_worker_thread_is_gone():
+    class Gone:
+        def alive(self):
+            return False
+    state = serve.Server(serve.parse_args(["--model", "x"]))
+    state.state, state.worker = "ready", Gone()
+    reply = serve.health(state, None)
+    assert reply.status == 503 and reply.payload == {"status": "failed"}
+    with pytest.raises(serve.RequestError) as refused:
+        serve.ready_engine(state)
+    assert refused.value.status == 503
