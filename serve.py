@@ -1395,15 +1395,21 @@ class Engine:
             lambda s, axis: np.zeros((blocks + 1,) + s.shape[1:axis] + (size,) + s.shape[axis + 1:], s.dtype),
             cache_shapes(self.model, 1, 8), self.axes), replicated=True)
 
+    def cache_layout(self, batch):
+        """(abstract shapes, device layout or None) of a batch's cache."""
+        import jax
+        shapes = cache_shapes(self.model, batch, self.max_length)
+        return shapes, None if self.distribution is None else jax.tree.map(
+            lambda s: self.distribution.get_data_layout(s.shape).backend_layout, shapes)
+
     def batch_programs(self, batch, long):
-        """(new cache, insert, decode, decode until done or None, next tokens) for one batch size. The
-        cache's layout (and next_tokens' split over the batch) is pinned so that what one program hands
+        """(new cache, insert, decode, decode until done or None, next tokens, resizes) for one batch size.
+        The cache's layout (and next_tokens' split over the batch) is pinned so that what one program hands
         back is exactly what the next was compiled for."""
         import jax
         import jax.numpy as jnp
-        shapes = cache_shapes(self.model, batch, self.max_length)
-        layout = None if self.distribution is None else jax.tree.map(
-            lambda s: self.distribution.get_data_layout(s.shape).backend_layout, shapes)
+        shapes, layout = self.cache_layout(batch)
+        at = self.batch_buckets.index(batch)
         new_cache = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), out_shardings=layout)
 
         def decoder(fn):  # (values, cache, window, steps, ...) -> (outputs, cache), the cache donated
@@ -1414,24 +1420,9 @@ class Engine:
             new_cache, jax.jit(functools.partial(insert, self.axes), donate_argnums=(0,), out_shardings=layout),
             decoder(decode_chunk), decoder(decode_until_done) if long else None,
             jax.jit(next_tokens, out_shardings=rows),
-            {size: self.resize_program(size) for size in self.neighbours(batch)})
-
-    def resize_program(self, size):
-        """Copies chosen rows of a batch's cache into a cache of `size` rows, in that batch's layout."""
-        import jax
-        shapes = cache_shapes(self.model, size, self.max_length)
-        layout = None if self.distribution is None else jax.tree.map(
-            lambda s: self.distribution.get_data_layout(s.shape).backend_layout, shapes)
-        return jax.jit(resize_cache, out_shardings=layout)
-
-    def neighbours(self, batch):
-        """The sizes a batch of `batch` rows resizes to directly: the next smaller and larger buckets."""
-        at = self.batch_buckets.index(batch)
-        return self.batch_buckets[max(at - 1, 0):at] + self.batch_buckets[at + 1:at + 2]
-
-    def neighbour(self, batch, up):
-        at = self.batch_buckets.index(batch)
-        return self.batch_buckets[at + 1 if up else at - 1]
+            # Copies of chosen rows into a batch of the next smaller or larger size, in that size's layout.
+            {size: jax.jit(resize_cache, out_shardings=self.cache_layout(size)[1])
+             for size in self.batch_buckets[max(at - 1, 0):at] + self.batch_buckets[at + 1:at + 2]})
 
     def long_limit(self):
         """How many tokens a long dispatch may make: as many as fit in long_chunk_seconds at the last long
@@ -1959,7 +1950,8 @@ class DecodeBatch:
         self.settle()
         batch = self
         while batch.size != size:
-            step = self.engine.neighbour(batch.size, up=size > batch.size)
+            neighbours = self.engine.programs[batch.size].resize
+            step = max(neighbours) if size > batch.size else min(neighbours)
             kept = list(range(batch.size)) if step > batch.size else [
                 row for row, g in enumerate(batch.rows) if g is not None]
             batch = batch.copied(step, kept)
@@ -1971,7 +1963,7 @@ class DecodeBatch:
         new = DecodeBatch(self.engine, size)
         index = np.array(kept + [0] * (size - len(kept)), np.int32)
         new.cache = self.engine.programs[self.size].resize[size](self.cache, index)
-        self.cache = None  # its buffers may be donated; this batch is done
+        self.cache = None  # this batch is done: its cache's memory may go before the next copy
         for name in ("positions", "tokens", "temperature", "top_k", "top_p", "seeds", "alternatives", "slots",
                      "masks"):
             getattr(new, name)[:len(kept)] = getattr(self, name)[kept]
@@ -3695,8 +3687,8 @@ def load(server):
         if not server.advance("warming"):
             return
         server.adapters = adapter_slots_for(server, model, distribution)
-        engine = Engine(model, batch_buckets(args.max_batch_size, batch_axis, args.batch_sizes), args.length_buckets, distribution,
-                        adapters=server.adapters, prefix_blocks=args.prefix_cache_blocks,
+        engine = Engine(model, batch_buckets(args.max_batch_size, batch_axis, args.batch_sizes), args.length_buckets,
+                        distribution, adapters=server.adapters, prefix_blocks=args.prefix_cache_blocks,
                         block_tokens=args.prefix_block_tokens)
         if engine.prefix is not None:
             METRICS.prefix_bytes, METRICS.prefix_blocks = engine.pool_bytes, engine.prefix.blocks

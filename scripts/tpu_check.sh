@@ -16,12 +16,13 @@
 # Every stage writes its log unbuffered under $OUT as it goes, so a call cut short still reports, and
 # the stages share TPU_CHECK_SECONDS (default 540) of wall clock: what has no time left says so.
 # TPU_CHECK_BATCHES (serve's --batch-sizes, default 1,8,64) and TPU_CHECK_K (a pytest -k expression) make a
-# stage lighter. On a machine with the project's requirements it runs as is, e.g. `TPU_CHECK_CONFIG=tiny bash scripts/tpu_check.sh`
-# (a small model, to try the script on a CPU before spending device time).
+# stage lighter. On a machine with the project's requirements it runs as is, e.g.
+# `TPU_CHECK_CONFIG=tiny bash scripts/tpu_check.sh` (a small model, to try the script on a CPU first).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--fetch-wheels" ]; then
-  # keras-hub imports tokenizers, structured output protobuf (SentencePiece's model proto); kagglehub is left out: without kagglesdk it breaks keras-hub's import.
+  # keras-hub imports tokenizers; structured output reads SentencePiece's model proto (protobuf).
+  # kagglehub is left out: without kagglesdk it breaks keras-hub's import.
   exec python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 --implementation cp \
     --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl-tpu \

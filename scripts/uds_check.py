@@ -23,14 +23,16 @@ WORDS = "the river valley canal town boats rail museum history people water brid
 
 
 class UnixConnection(http.client.HTTPConnection):
-    def __init__(self, path, timeout=600):
+    """http.client over a unix domain socket (serve.py --uds); tests/conftest.py uses it too."""
+
+    def __init__(self, socket_path, timeout=600):
         super().__init__("localhost", timeout=timeout)
-        self.path = path
+        self.socket_path = socket_path
 
     def connect(self):
         self.sock = socket.socket(socket.AF_UNIX)
         self.sock.settimeout(self.timeout)
-        self.sock.connect(self.path)
+        self.sock.connect(self.socket_path)
 
 
 def request(sock, method, path, body=None):

@@ -1,5 +1,4 @@
 import contextlib
-import http.client as httpclient
 import json
 import os
 import socket
@@ -17,6 +16,8 @@ REPO = Path(__file__).resolve().parent.parent
 SAMPLE_DATA = REPO / "tests" / "data" / "dolly_sample.jsonl"
 CHAT_DATA = REPO / "tests" / "data" / "chat_sample.jsonl"
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+from uds_check import UnixConnection as UnixHTTPConnection  # noqa: E402  serve.py --uds, as the TPU check drives it
 os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -168,19 +169,6 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class UnixHTTPConnection(httpclient.HTTPConnection):
-    """http.client over a unix domain socket (serve.py --uds)."""
-
-    def __init__(self, socket_path, timeout=120):
-        super().__init__("localhost", timeout=timeout)
-        self.socket_path = socket_path
-
-    def connect(self):
-        self.sock = socket.socket(socket.AF_UNIX)
-        self.sock.settimeout(self.timeout)
-        self.sock.connect(self.socket_path)
 
 
 UNIX_URL = "http+unix://"  # then the socket's path, percent-encoded, then the request's path
