@@ -1585,8 +1585,11 @@ class Engine:
         return [done[id(generation)] for generation in generations]
 
     def warm_up(self):
-        """Compiles every program once, so requests never compile (see WarmUp)."""
-        WarmUp(self).run()
+        """Compiles every program once, so requests never compile (see WarmUp); returns the WarmUp, which
+        keeps each program's compile time."""
+        warm_up = WarmUp(self)
+        warm_up.run()
+        return warm_up
 
     def generate(self, rows, batch):
         """Decodes `rows` (Generation objects) in a batch of `batch` rows (or the smallest compiled size
@@ -1616,6 +1619,8 @@ def cache_length(cache, axes):
 
 # ----------------------------------------------------------------------------- warm-up
 
+Output = collections.namedtuple("Output", "program args")  # an argument that is another program's output
+
 class WarmUp:
     """Compiles every program an Engine runs, once, so requests never compile: per batch size, decode
     over each window (a chunk of DECODE_CHUNK tokens, one masked token for grammars and, in the smallest
@@ -1624,11 +1629,15 @@ class WarmUp:
     size; with a prefix cache, per window a gather and a prefill after each prefix length that fits,
     per block a pool write; with adapters, the slot update. Each part logs what it compiled and its time."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, threads=None):
         self.engine = engine
+        self.threads = threads or min(os.cpu_count() or 1, 16)
+        self.compiled = []  # (program, seconds to trace and lower, seconds to compile), from compile_ahead
 
     def run(self):
         engine = self.engine
+        if self.threads > 1:
+            self.compile_ahead()
         prefix, engine.prefix = engine.prefix, None  # warm-up prompts must take the plain prefill, every block of it
         for batch in engine.batch_buckets:
             self.decode(batch)
@@ -1637,6 +1646,92 @@ class WarmUp:
         self.group_prefills()
         self.prefix_cache()
         self.adapter_slots()
+
+    def calls(self):
+        """(name, jitted program, arguments) of every costly program the passes below run, with the
+        arguments they pass it (a cache as its abstract shape and layout: lowering reads no values), so
+        that each lowers to the very program its pass will look up. The small ones (next tokens, the
+        adapter slot update) are left to the passes."""
+        import jax
+        engine, tables, values = self.engine, self.engine.lora_tables, self.engine.values
+        int32 = np.int32
+
+        def abstract(shapes, layout):
+            return jax.tree.map(lambda s, l: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=l), shapes,
+                                layout if layout is not None else jax.tree.map(lambda _: None, shapes))
+        prefills = {block: Output(engine._prefill, (values, engine.tokens([[engine.bos]], block), tables, int32(0)))
+                    for block in engine.prompt_blocks}
+        calls = [(f"prefill block {block}", *prefills[block]) for block in engine.prompt_blocks]
+        for batch in engine.batch_buckets:
+            programs, cache = engine.programs[batch], abstract(*engine.cache_layout(batch))
+            feed = lambda dtype, value=0: engine.feed(np.full(batch, value, dtype))  # noqa: E731
+            sampling = [feed(np.int32), feed(np.float32), feed(np.int32, 1), feed(np.float32, 1), feed(np.uint32),
+                        feed(np.int32)]
+            masks = engine.feed(np.full((batch, -(-engine.vocabulary_size // 32)), -1, np.int32))
+            for window in engine.length_buckets:
+                for steps in (DECODE_CHUNK, 1):
+                    calls.append((f"decode batch {batch} window {window} chunk {steps}", programs.decode,
+                                  (values, cache, window, steps, masks if steps == 1 else None, feed(np.int32),
+                                   feed(np.int32), tables, *sampling)))
+                if programs.decode_long is not None:
+                    stop_ids = engine.feed(np.full(8, -1, np.int32), replicated=True)
+                    calls.append((f"decode batch {batch} window {window} long", programs.decode_long,
+                                  (values, cache, window, LONGEST_CHUNK, feed(np.int32), feed(np.int32), feed(np.int32),
+                                   stop_ids, engine.feed(np.int32(LONG_CHUNK), replicated=True), tables, *sampling)))
+            for block in engine.prompt_blocks:
+                calls.append((f"insert batch {batch} block {block}", programs.insert,
+                              (cache, prefills[block], int32(0))))
+            for size, resize in programs.resize.items():
+                calls.append((f"resize batch {batch} to {size}", resize, (cache, np.zeros(size, int32))))
+        for block in engine.group_blocks:
+            for size in engine.group_sizes:
+                calls.append((f"prefill {size} prompts block {block}", engine._prefill_group,
+                              (values, engine.tokens([[engine.bos]] * size, block), tables,
+                               engine.feed(np.zeros(size, int32), replicated=True))))
+        if engine.prefix is not None:
+            size, scratch = engine.prefix.block_tokens, engine.prefix.scratch
+            for length in engine.prompt_blocks:
+                calls.append((f"pool store block {length}", engine._store,
+                              (engine.pool, prefills[length], np.zeros(length // size, int32),
+                               np.full(length // size, scratch, int32))))
+                if length in engine.length_buckets:
+                    gathered = Output(engine._gather, (engine.pool, np.full(length // size, scratch, int32)))
+                    calls.append((f"pool gather window {length}", *gathered))
+                    for suffix in (s for s in engine.prompt_blocks if s <= length - size):
+                        calls.append((f"prefill block {suffix} after a prefix in window {length}",
+                                      engine._prefill_after_prefix, (values, gathered, engine.tokens(
+                                          [[engine.bos]], suffix), int32(size), tables, int32(0))))
+        return calls
+
+    def compile_ahead(self):
+        """Lowers every program of calls() here, one at a time (tracing runs Python, under the GIL, and
+        briefly patches the model's layers), and compiles them on `threads` threads as they come: XLA's
+        compiler releases the GIL. A compiled program lands in its jit's own cache, so the passes after
+        this one run it without compiling. An Output argument stands for that program's output, as an
+        abstract value."""
+        from concurrent.futures import ThreadPoolExecutor
+        started, lowered, jobs = time.time(), {}, []
+
+        def lower(program, args):  # once per (program, args) object: an Output's program is also a call
+            if (id(program), id(args)) not in lowered:
+                lowered[id(program), id(args)] = program.lower(
+                    *(lower(*a).out_info if isinstance(a, Output) else a for a in args))
+            return lowered[id(program), id(args)]
+
+        def compile_one(name, lowered, lower_seconds):
+            began = time.time()
+            lowered.compile()
+            self.compiled.append((name, lower_seconds, time.time() - began))
+        with ThreadPoolExecutor(self.threads) as pool:
+            for name, program, args in self.calls():
+                began = time.time()
+                jobs.append(pool.submit(compile_one, name, lower(program, args), time.time() - began))
+            for job in jobs:
+                job.result()
+        slowest = max(self.compiled, key=lambda c: c[2])
+        log(f"warm-up: compiled {len(self.compiled)} programs on {self.threads} threads in "
+            f"{time.time() - started:.1f}s ({sum(c for _, _, c in self.compiled):.1f}s of compiling, "
+            f"{sum(t for _, t, _ in self.compiled):.1f}s of tracing; the slowest, {slowest[0]}: {slowest[2]:.1f}s)")
 
     def decode(self, batch):
         engine, started = self.engine, time.time()

@@ -128,8 +128,10 @@ def time_generation(model, args, batch_size):
     engine.stop_ids = set()  # random weights: never stop early, always generate new_tokens
     engine.decode = lambda ids: ""  # measure the model, not detokenisation
     started = time.time()
-    engine.warm_up()
+    warm_up = engine.warm_up()
     compile_seconds = time.time() - started
+    for name, trace_s, compile_s in sorted(warm_up.compiled, key=lambda c: -c[2]):
+        print(f"compile: {name}: {compile_s:.1f}s (traced and lowered in {trace_s:.1f}s)", flush=True)
     rng = np.random.default_rng(1)
 
     def rows():
