@@ -212,6 +212,8 @@ class Metrics:
         self.latency_counts = [0] * (len(LATENCY_BUCKETS) + 1)
         self.latency_sum = 0.0
         self.prompt_tokens = self.generated_tokens = self.compilations = self.cancelled = 0
+        self.request_compilations = self.compile_cache_hits = 0
+        self.warm_up_pending = lambda: 0
         self.cached_prompt_tokens = self.prefix_bytes = self.prefix_blocks = 0
         self.prefill_groups = self.grouped_prompts = self.batch_resizes = 0
         self.grammar_masks, self.grammar_mask_seconds = 0, 0.0  # masks computed, host time computing them
@@ -313,6 +315,15 @@ class Metrics:
                       "# TYPE serve_idle_closed_total counter", f"serve_idle_closed_total {self.idle_closed}",
                       "# HELP serve_compilations_total XLA compilations in this process (flat after warm-up).",
                       "# TYPE serve_compilations_total counter", f"serve_compilations_total {self.compilations}",
+                      "# HELP serve_request_compilations_total XLA compilations outside the warm-up (0: none ever "
+                      "ran on a request's behalf).", "# TYPE serve_request_compilations_total counter",
+                      f"serve_request_compilations_total {self.request_compilations}",
+                      "# HELP serve_compile_cache_hits_total Programs loaded from the persistent compilation cache.",
+                      "# TYPE serve_compile_cache_hits_total counter",
+                      f"serve_compile_cache_hits_total {self.compile_cache_hits}",
+                      "# HELP serve_warmup_pending_parts Warm-up parts still compiling in the background (batch "
+                      "sizes, the prefix cache, grouped prefills); requests use only what is compiled.",
+                      "# TYPE serve_warmup_pending_parts gauge", f"serve_warmup_pending_parts {self.warm_up_pending()}",
                       "# TYPE serve_ready gauge", f"serve_ready {int(ready)}",
                       "# HELP serve_weight_bytes Bytes of model weights held on the device(s).",
                       "# TYPE serve_weight_bytes gauge", f"serve_weight_bytes {self.weight_bytes}"]
@@ -332,6 +343,13 @@ def label(value):
 
 
 # ----------------------------------------------------------------------------- model
+
+def count_compilation():
+    """serve_compilations_total, and apart from it those of no warm-up thread: compiled on a request's behalf."""
+    METRICS.add("compilations")
+    if not threading.current_thread().name.startswith(("loader", "warm-up")):
+        METRICS.add("request_compilations")
+
 
 def on_compilation(callback):
     """Calls callback() after every XLA compilation in this process (the warm-up's, and any that should not
@@ -1375,6 +1393,8 @@ class Engine:
         self._prefill_group = jax.jit(bound(prefill_group, model, self.variables, adapters), out_shardings=rows)
         self.group_sizes = [g for g in PREFILL_GROUPS if g <= batch_buckets[-1]]
         self.group_blocks = [b for b in self.prompt_blocks if b <= GROUP_BLOCK]
+        # What requests may use: WarmUp narrows these while it compiles and widens them part by part.
+        self.ready_batches, self.grouping = list(batch_buckets), bool(self.group_sizes)
         # A lone request decodes in the smallest batch, where the per-dispatch cost weighs most: that batch
         # size also gets decode_until_done's long chunks (one more program per window to compile).
         self.programs = {batch: self.batch_programs(batch, long=batch == batch_buckets[0]) for batch in batch_buckets}
@@ -1462,7 +1482,8 @@ class Engine:
         return next(b for b in self.prompt_blocks if b >= prompt_length)
 
     def batch_for(self, n_rows):
-        return next((b for b in self.batch_buckets if b >= n_rows), self.batch_buckets[-1])
+        """The smallest batch size whose programs are compiled that holds n_rows, or the largest such."""
+        return next((b for b in self.ready_batches if b >= n_rows), self.ready_batches[-1])
 
     def window_for(self, length):
         return next((l for l in self.length_buckets if l >= length), self.max_length)
@@ -1559,7 +1580,7 @@ class Engine:
             firsts.update(keys[:1])
             reused, start = self.match_prefix(generation, keys)
             block = self.block_for(len(generation.prompt_ids))
-            if not start and self.group_sizes and block in self.group_blocks:
+            if not start and self.grouping and block in self.group_blocks:
                 groups[block].append((generation, keys))
                 continue
             row = self.compute_row(generation, reused, start)
@@ -1619,121 +1640,185 @@ def cache_length(cache, axes):
 
 # ----------------------------------------------------------------------------- warm-up
 
-Output = collections.namedtuple("Output", "program args")  # an argument that is another program's output
+# An argument that is another program's output (`pick`: which part of it), for WarmUp.submit.
+Output = collections.namedtuple("Output", "program args pick", defaults=(lambda out: out,))
 
 class WarmUp:
-    """Compiles every program an Engine runs, once, so requests never compile: per batch size, decode
-    over each window (a chunk of DECODE_CHUNK tokens, one masked token for grammars and, in the smallest
-    batch, up to LONG_CHUNK tokens) and an insert for each prompt block; the copies that grow and shrink
+    """Compiles every program an Engine runs, so requests never compile: per batch size, decode over
+    each window (a chunk of DECODE_CHUNK tokens, one masked token for grammars and, in the smallest
+    batch, up to LONG_CHUNK tokens), an insert for each prompt block and the copies that grow and shrink
     a batch to its neighbouring sizes; per prompt block, a prefill, and up to GROUP_BLOCK, one per group
     size; with a prefix cache, per window a gather and a prefill after each prefix length that fits,
-    per block a pool write; with adapters, the slot update. Each part logs what it compiled and its time."""
+    per block a pool write; with adapters, the slot update.
+
+    first() compiles what the smallest batch needs and runs each of those programs once: the server can
+    answer after it. rest() compiles the other parts, each taking effect in the Engine only once all its
+    programs exist (a batch size in batch_for, the prefix cache, grouped prefills), so a request is
+    never routed to a program that is not compiled; the server runs it on a background thread."""
 
     def __init__(self, engine, threads=None):
         self.engine = engine
         self.threads = threads or min(os.cpu_count() or 1, 16)
-        self.compiled = []  # (program, seconds to trace and lower, seconds to compile), from compile_ahead
+        self.compiled = []  # (program, seconds to trace and lower, seconds to compile)
+        self.pending = []  # the parts rest() has still to compile, by name (for /health and /metrics)
+        self.prefix = engine.prefix  # held back from the Engine until its programs exist
 
     def run(self):
-        engine = self.engine
-        if self.threads > 1:
-            self.compile_ahead()
-        prefix, engine.prefix = engine.prefix, None  # warm-up prompts must take the plain prefill, every block of it
-        for batch in engine.batch_buckets:
-            self.decode(batch)
-        engine.prefix = prefix
-        self.resizes()
-        self.group_prefills()
-        self.prefix_cache()
+        """Everything, in this thread."""
+        self.first()
+        self.rest()
+
+    def first(self):
+        engine, started = self.engine, time.time()
+        smallest = engine.batch_buckets[0]
+        engine.ready_batches, engine.grouping, engine.prefix = [smallest], False, None
+        self.pending = self.parts()[1:]
+        self.compile(self.prefill_calls() + self.batch_calls(smallest))
+        self.decode(smallest)
         self.adapter_slots()
+        log(f"warm-up: batch {smallest} can answer after {time.time() - started:.1f}s"
+            f"{'; still to compile: ' + ', '.join(self.pending) if self.pending else ''}")
 
-    def calls(self):
-        """(name, jitted program, arguments) of every costly program the passes below run, with the
-        arguments they pass it (a cache as its abstract shape and layout: lowering reads no values), so
-        that each lowers to the very program its pass will look up. The small ones (next tokens, the
-        adapter slot update) are left to the passes."""
+    def parts(self):
+        """The parts in the order they are compiled and take effect: batch sizes in increasing order (a batch
+        grows through each size on its way), then the prefix cache, then grouped prefills."""
+        engine = self.engine
+        return ([f"batch {batch}" for batch in engine.batch_buckets] + (["prefix cache"] if self.prefix else [])
+                + (["grouped prefills"] if engine.group_sizes else []))
+
+    def rest(self):
+        engine, started = self.engine, time.time()
+        work = {f"batch {batch}": functools.partial(self.batch_calls, batch) for batch in engine.batch_buckets}
+        work.update({"prefix cache": self.prefix_calls, "grouped prefills": self.group_calls})
+        effects = {f"batch {batch}": functools.partial(engine.ready_batches.append, batch)
+                   for batch in engine.batch_buckets}
+        effects.update({"prefix cache": lambda: setattr(engine, "prefix", self.prefix),
+                        "grouped prefills": lambda: setattr(engine, "grouping", True)})
+        from concurrent.futures import ThreadPoolExecutor
+
+        def take_effect(queued, wait):  # in order: a batch grows through every smaller size
+            while queued and (wait or all(job.done() for job in queued[0][1])):
+                part, jobs = queued.pop(0)
+                for job in jobs:
+                    job.result()
+                effects[part]()
+                self.pending.remove(part)
+                log(f"warm-up: {part} ready after {time.time() - started:.1f}s more")
+        parts, queued = list(self.pending), []
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="warm-up") as pool:
+            # Each part is traced and queued while the ones before it compile: the compiler threads stay busy.
+            for part in parts:
+                queued.append((part, self.submit(pool, work[part]())))
+                take_effect(queued, wait=False)
+            take_effect(queued, wait=True)
+        if parts:
+            log(f"warm-up: compiled {len(self.compiled)} programs on {self.threads} threads "
+                f"({sum(c for _, _, c in self.compiled):.1f}s of compiling, "
+                f"{sum(t for _, t, _ in self.compiled):.1f}s of tracing; the slowest, "
+                f"{max(self.compiled, key=lambda c: c[2])[0]}: {max(c for _, _, c in self.compiled):.1f}s)")
+
+    def prefill_calls(self):
+        """(name, jitted program, arguments) of a lone prompt's prefill, per block."""
+        return [(f"prefill block {block}", *self.prefill_output(block)[:2]) for block in self.engine.prompt_blocks]
+
+    def prefill_output(self, block):
+        engine = self.engine
+        if not hasattr(self, "_prefills"):  # one args object per block: lowered once, however often it is used
+            self._prefills = {b: Output(engine._prefill, (engine.values, engine.tokens([[engine.bos]], b),
+                                                          engine.lora_tables, np.int32(0))) for b in engine.prompt_blocks}
+        return self._prefills[block]
+
+    def batch_calls(self, batch):
+        """The programs of one batch size, with the arguments its DecodeBatch passes them (its cache as an
+        abstract shape and layout: lowering reads no values), and the copies between it and the next
+        smaller size, both ways."""
         import jax
-        engine, tables, values = self.engine, self.engine.lora_tables, self.engine.values
-        int32 = np.int32
-
-        def abstract(shapes, layout):
-            return jax.tree.map(lambda s, l: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=l), shapes,
-                                layout if layout is not None else jax.tree.map(lambda _: None, shapes))
-        prefills = {block: Output(engine._prefill, (values, engine.tokens([[engine.bos]], block), tables, int32(0)))
-                    for block in engine.prompt_blocks}
-        calls = [(f"prefill block {block}", *prefills[block]) for block in engine.prompt_blocks]
-        for batch in engine.batch_buckets:
-            programs, cache = engine.programs[batch], abstract(*engine.cache_layout(batch))
-            feed = lambda dtype, value=0: engine.feed(np.full(batch, value, dtype))  # noqa: E731
-            sampling = [feed(np.int32), feed(np.float32), feed(np.int32, 1), feed(np.float32, 1), feed(np.uint32),
-                        feed(np.int32)]
-            masks = engine.feed(np.full((batch, -(-engine.vocabulary_size // 32)), -1, np.int32))
-            for window in engine.length_buckets:
-                for steps in (DECODE_CHUNK, 1):
-                    calls.append((f"decode batch {batch} window {window} chunk {steps}", programs.decode,
-                                  (values, cache, window, steps, masks if steps == 1 else None, feed(np.int32),
-                                   feed(np.int32), tables, *sampling)))
-                if programs.decode_long is not None:
-                    stop_ids = engine.feed(np.full(8, -1, np.int32), replicated=True)
-                    calls.append((f"decode batch {batch} window {window} long", programs.decode_long,
-                                  (values, cache, window, LONGEST_CHUNK, feed(np.int32), feed(np.int32), feed(np.int32),
-                                   stop_ids, engine.feed(np.int32(LONG_CHUNK), replicated=True), tables, *sampling)))
-            for block in engine.prompt_blocks:
-                calls.append((f"insert batch {batch} block {block}", programs.insert,
-                              (cache, prefills[block], int32(0))))
-            for size, resize in programs.resize.items():
-                calls.append((f"resize batch {batch} to {size}", resize, (cache, np.zeros(size, int32))))
-        for block in engine.group_blocks:
-            for size in engine.group_sizes:
-                calls.append((f"prefill {size} prompts block {block}", engine._prefill_group,
-                              (values, engine.tokens([[engine.bos]] * size, block), tables,
-                               engine.feed(np.zeros(size, int32), replicated=True))))
-        if engine.prefix is not None:
-            size, scratch = engine.prefix.block_tokens, engine.prefix.scratch
-            for length in engine.prompt_blocks:
-                calls.append((f"pool store block {length}", engine._store,
-                              (engine.pool, prefills[length], np.zeros(length // size, int32),
-                               np.full(length // size, scratch, int32))))
-                if length in engine.length_buckets:
-                    gathered = Output(engine._gather, (engine.pool, np.full(length // size, scratch, int32)))
-                    calls.append((f"pool gather window {length}", *gathered))
-                    for suffix in (s for s in engine.prompt_blocks if s <= length - size):
-                        calls.append((f"prefill block {suffix} after a prefix in window {length}",
-                                      engine._prefill_after_prefix, (values, gathered, engine.tokens(
-                                          [[engine.bos]], suffix), int32(size), tables, int32(0))))
+        engine, tables, values, int32 = self.engine, self.engine.lora_tables, self.engine.values, np.int32
+        programs, cache = engine.programs[batch], abstract(*engine.cache_layout(batch))
+        feed = lambda dtype, value=0: engine.feed(np.full(batch, value, dtype))  # noqa: E731
+        sampling = [feed(int32), feed(np.float32), feed(int32, 1), feed(np.float32, 1), feed(np.uint32), feed(int32)]
+        masks = engine.feed(np.full((batch, -(-engine.vocabulary_size // 32)), -1, int32))
+        calls = [(f"new cache batch {batch}", programs.new_cache, ())]
+        for window in engine.length_buckets:
+            for steps in (DECODE_CHUNK, 1):
+                calls.append((f"decode batch {batch} window {window} chunk {steps}", programs.decode,
+                              (values, cache, window, steps, masks if steps == 1 else None, feed(int32), feed(int32),
+                               tables, *sampling)))
+            if programs.decode_long is not None:
+                calls.append((f"decode batch {batch} window {window} long", programs.decode_long,
+                              (values, cache, window, LONGEST_CHUNK, feed(int32), feed(int32), feed(int32),
+                               engine.feed(np.full(8, -1, int32), replicated=True),
+                               engine.feed(int32(LONG_CHUNK), replicated=True), tables, *sampling)))
+        if engine.dispatch_ahead:  # a chunk's input tokens, from the chunk before it still on the device
+            sampled = Output(*calls[1][1:], pick=lambda out: out[0][0])
+            calls.append((f"next tokens batch {batch}", programs.next_tokens,
+                          (sampled, feed(bool), feed(int32))))
+        for block in engine.prompt_blocks:
+            calls.append((f"insert batch {batch} block {block}", programs.insert,
+                          (cache, self.prefill_output(block), int32(0))))
+        at = engine.batch_buckets.index(batch)
+        if at:
+            smaller = engine.batch_buckets[at - 1]
+            calls += [(f"resize batch {batch} to {smaller}", programs.resize[smaller], (cache, np.zeros(smaller, int32))),
+                      (f"resize batch {smaller} to {batch}", engine.programs[smaller].resize[batch],
+                       (abstract(*engine.cache_layout(smaller)), np.zeros(batch, int32)))]
         return calls
 
-    def compile_ahead(self):
-        """Lowers every program of calls() here, one at a time (tracing runs Python, under the GIL, and
-        briefly patches the model's layers), and compiles them on `threads` threads as they come: XLA's
-        compiler releases the GIL. A compiled program lands in its jit's own cache, so the passes after
-        this one run it without compiling. An Output argument stands for that program's output, as an
-        abstract value."""
-        from concurrent.futures import ThreadPoolExecutor
-        started, lowered, jobs = time.time(), {}, []
+    def group_calls(self):
+        engine = self.engine
+        return [(f"prefill {size} prompts block {block}", engine._prefill_group,
+                 (engine.values, engine.tokens([[engine.bos]] * size, block), engine.lora_tables,
+                  engine.feed(np.zeros(size, np.int32), replicated=True)))
+                for block in engine.group_blocks for size in engine.group_sizes]
+
+    def prefix_calls(self):
+        engine, calls, int32 = self.engine, [], np.int32
+        size, scratch = self.prefix.block_tokens, self.prefix.scratch
+        for length in engine.prompt_blocks:
+            calls.append((f"pool store block {length}", engine._store,
+                          (engine.pool, self.prefill_output(length), np.zeros(length // size, int32),
+                           np.full(length // size, scratch, int32))))
+            if length in engine.length_buckets:
+                gathered = Output(engine._gather, (engine.pool, np.full(length // size, scratch, int32)))
+                calls.append((f"pool gather window {length}", *gathered[:2]))
+                for suffix in (s for s in engine.prompt_blocks if s <= length - size):
+                    calls.append((f"prefill block {suffix} after a prefix in window {length}",
+                                  engine._prefill_after_prefix, (engine.values, gathered, engine.tokens(
+                                      [[engine.bos]], suffix), int32(size), engine.lora_tables, int32(0))))
+        return calls
+
+    def submit(self, pool, calls):
+        """Lowers each call here, one at a time (tracing runs Python, under the GIL, and briefly patches the
+        model's layers), and queues its compiling on `pool`: XLA's compiler releases the GIL. A compiled
+        program lands in its jit's caches, so the call that runs it later compiles nothing. An Output
+        argument stands for that program's output, as an abstract value. Returns the futures."""
+        lowered, jobs = getattr(self, "_lowered", {}), []
+        self._lowered = lowered
 
         def lower(program, args):  # once per (program, args) object: an Output's program is also a call
             if (id(program), id(args)) not in lowered:
                 lowered[id(program), id(args)] = program.lower(
-                    *(lower(*a).out_info if isinstance(a, Output) else a for a in args))
+                    *(a.pick(lower(a.program, a.args).out_info) if isinstance(a, Output) else a for a in args))
             return lowered[id(program), id(args)]
 
-        def compile_one(name, lowered, lower_seconds):
+        def compile_one(name, program, trace_seconds):
             began = time.time()
-            lowered.compile()
-            self.compiled.append((name, lower_seconds, time.time() - began))
-        with ThreadPoolExecutor(self.threads) as pool:
-            for name, program, args in self.calls():
-                began = time.time()
-                jobs.append(pool.submit(compile_one, name, lower(program, args), time.time() - began))
-            for job in jobs:
+            program.compile()
+            self.compiled.append((name, trace_seconds, time.time() - began))
+        for name, program, args in calls:
+            began = time.time()
+            jobs.append(pool.submit(compile_one, name, lower(program, args), time.time() - began))
+        return jobs
+
+    def compile(self, calls):
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="warm-up") as pool:
+            for job in self.submit(pool, calls):
                 job.result()
-        slowest = max(self.compiled, key=lambda c: c[2])
-        log(f"warm-up: compiled {len(self.compiled)} programs on {self.threads} threads in "
-            f"{time.time() - started:.1f}s ({sum(c for _, _, c in self.compiled):.1f}s of compiling, "
-            f"{sum(t for _, t, _ in self.compiled):.1f}s of tracing; the slowest, {slowest[0]}: {slowest[2]:.1f}s)")
 
     def decode(self, batch):
+        """Runs the batch's programs once each (compiled above): a first run can still cost, e.g. the
+        device's memory for the cache."""
         engine, started = self.engine, time.time()
         # The longest prompt that leaves room for one new token is prefilled in the largest block.
         rows = [Generation([engine.bos] * min(block, engine.max_length - 1), 1, SAMPLER_DEFAULTS["greedy"], 0, [],
@@ -1746,62 +1831,12 @@ class WarmUp:
             for _ in range(2):  # the second chunk is dispatched ahead of reading the first: next_tokens
                 decoding.step(engine.length_buckets[0], DECODE_CHUNK)
             decoding.settle()
-        log(f"warm-up: batch {batch}: compiled decode over windows {','.join(map(str, engine.length_buckets))}"
+        log(f"warm-up: batch {batch}: decode over windows {','.join(map(str, engine.length_buckets))}"
             f" and prompt blocks {','.join(map(str, engine.prompt_blocks))} in {time.time() - started:.1f}s"
             f" (chunks of {DECODE_CHUNK} and 1"
             f"{f' and up to {LONGEST_CHUNK}' if decoding.decode_long else ''} tokens"
-            f"{', unrolled' if engine.unroll else ''}{', dispatched ahead' if engine.dispatch_ahead else ''})")
-
-    def resizes(self):
-        engine = self.engine
-        if len(engine.batch_buckets) < 2:
-            return
-        import jax
-        started = time.time()
-        for batch in engine.batch_buckets:
-            cache = engine.programs[batch].new_cache()
-            for size, resize in engine.programs[batch].resize.items():
-                jax.block_until_ready(resize(cache, np.zeros(size, np.int32)))
-        log(f"warm-up: compiled the copies that grow and shrink a batch between sizes "
-            f"{','.join(map(str, engine.batch_buckets))} in {time.time() - started:.1f}s")
-
-    def group_prefills(self):
-        engine = self.engine
-        if not engine.group_sizes:
-            return
-        import jax
-        started = time.time()
-        for block in engine.group_blocks:
-            for size in engine.group_sizes:
-                jax.block_until_ready(engine._prefill_group(
-                    engine.values, engine.tokens([[engine.bos]] * size, block), engine.lora_tables,
-                    engine.feed(np.zeros(size, np.int32), replicated=True)))
-        log(f"warm-up: compiled prefills of {','.join(map(str, engine.group_sizes))} prompts at once in blocks "
-            f"{','.join(map(str, engine.group_blocks))} in {time.time() - started:.1f}s")
-
-    def prefix_cache(self):
-        engine = self.engine
-        if engine.prefix is None:
-            return
-        import jax
-        started, size = time.time(), engine.prefix.block_tokens
-        scratch, outputs = engine.prefix.scratch, []
-        for length in engine.prompt_blocks:
-            row = engine._prefill(engine.values, engine.tokens([[engine.bos]], length), engine.lora_tables, np.int32(0))
-            engine.pool = engine._store(engine.pool, row, np.zeros(length // size, np.int32),
-                                        np.full(length // size, scratch, np.int32))
-            if length in engine.length_buckets:
-                row = engine._gather(engine.pool, np.full(length // size, scratch, np.int32))
-                for suffix in (s for s in engine.prompt_blocks if s <= length - size):
-                    outputs.append(engine._prefill_after_prefix(
-                        engine.values, row, engine.tokens([[engine.bos]], suffix), np.int32(size), engine.lora_tables,
-                        np.int32(0)))
-        # Dispatch is asynchronous: unwaited, these prefills (seconds of work on a CPU) would still be
-        # running when the first requests come, and delay them (Gemma 3 270M: 3 s more for the first 8).
-        jax.block_until_ready((engine.pool, outputs))
-        log(f"warm-up: prefix cache of {engine.prefix.blocks} blocks of {size} tokens "
-            f"({engine.pool_bytes / 2**20:,.1f} MiB): compiled its copies and the prefills after a prefix in "
-            f"{time.time() - started:.1f}s")
+            f"{', unrolled' if engine.unroll else ''}{', dispatched ahead' if engine.dispatch_ahead else ''};"
+            f" {len(self.compiled)} programs compiled on {self.threads} threads)")
 
     def adapter_slots(self):
         slots = self.engine.adapters
@@ -1812,6 +1847,13 @@ class WarmUp:
         jax.block_until_ready(slots._write(slots.tables, np.int32(0), slots.put(empty)))
         log(f"warm-up: {slots.max_adapters} adapter slots of rank {slots.max_rank} on "
             f"{','.join(slots.modules)}: {slots.slot_bytes / 2**20:,.1f} MiB each")
+
+
+def abstract(shapes, layout):
+    """A pytree of shapes as jax.ShapeDtypeStructs, placed as `layout` says (None: one device)."""
+    import jax
+    return jax.tree.map(lambda s, l: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=l), shapes,
+                        layout if layout is not None else jax.tree.map(lambda _: None, shapes))
 
 
 class DecodeBatch:
@@ -2311,6 +2353,8 @@ class Server:
         self.rng = random.Random(args.seed)  # seeds for requests that bring none
         self.grammar_tokenizer = None  # llguidance's view of the vocabulary, for structured output
         self.grammars = collections.OrderedDict()  # grammar text -> compiled LLMatcher, least recently used first
+        self.warm_up = None  # the WarmUp: what is still compiling after the server is ready
+        self.started = time.time()
 
     def advance(self, state):
         """Moves to `state` unless shutdown has begun: a loader finishing its warm-up after a SIGTERM must
@@ -2329,7 +2373,10 @@ class Server:
 
 def health(server, req):
     state = server.status()
-    return Reply(200 if state == "ready" else 503, {"status": "ok" if state == "ready" else state})
+    body = {"status": "ok" if state == "ready" else state}
+    if server.warm_up is not None and server.warm_up.pending:  # ready, and these take effect as they compile
+        body["compiling"] = list(server.warm_up.pending)
+    return Reply(200 if state == "ready" else 503, body)
 
 
 def metrics_page(server, req):
@@ -3764,11 +3811,16 @@ def load(server):
     """Loads and warms the model on a background thread while /health answers 503."""
     args = server.args
     try:
-        import jax
+        import jax.monitoring
         if args.compile_cache:
             jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compile_cache))
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-        on_compilation(lambda: METRICS.add("compilations"))
+            # Every program, however quick to compile, so that a restart loads them all. XLA's cache key is the
+            # program itself (shapes, dtypes, adapter slots, flags baked in) with the compiler's version: a
+            # changed model, dtype or flag makes a new program, never a stale hit. Weights are inputs.
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+            jax.monitoring.register_event_listener(
+                lambda event, **_: METRICS.add("compile_cache_hits") if event.endswith("/cache_hits") else None)
+        on_compilation(count_compilation)
         keep_tensorflow_off_accelerators()
         distribution, batch_axis = setup_distribution(args)
         started = time.time()
@@ -3795,14 +3847,24 @@ def load(server):
             log(f"structured output: llguidance token table of {engine.vocabulary_size:,} built in "
                 f"{time.time() - started:.1f}s")
         started = time.time()
-        engine.warm_up()
-        log(f"warm-up: {len(engine.batch_buckets)} batch sizes x {len(engine.length_buckets)} windows, "
-            f"{METRICS.compilations} XLA compilations in {time.time() - started:.1f}s")
+        server.warm_up = WarmUp(engine)
+        METRICS.warm_up_pending = lambda: len(server.warm_up.pending)
+        server.warm_up.first()
         server.engine = engine
         server.worker = Worker(engine, engine.batch_buckets[-1], args.batch_window_ms / 1000, args.max_queue)
         server.worker.start()
-        if server.advance("ready"):
-            log(f"ready on {where(args)}")
+        if not server.advance("ready"):
+            return
+        log(f"ready on {where(args)} after {time.time() - server.started:.1f}s"
+            f"{', compiling the rest in the background' if server.warm_up.pending else ''}")
+        try:
+            server.warm_up.rest()  # each part serves as soon as it is compiled
+        except Exception as e:  # what is compiled keeps serving; the rest stays listed as compiling
+            log(f"error: the background warm-up stopped: {type(e).__name__}: {e}")
+            return
+        log(f"warm-up: {len(engine.batch_buckets)} batch sizes x {len(engine.length_buckets)} windows, "
+            f"{METRICS.compilations} XLA compilations ({METRICS.compile_cache_hits} from the compilation cache) "
+            f"in {time.time() - started:.1f}s")
     except LoadError as e:
         log(f"error: {e}")
         server.advance("unloadable")

@@ -585,12 +585,21 @@ def collate(examples, indices, length, batch_size, pad_id):
 
 # ----------------------------------------------------------------------------- model & devices
 
+COMPILE_CACHE_HITS = [0]  # programs loaded from the persistent compilation cache (warm_up says which)
+
+
 def setup_runtime(args):
     global IS_MAIN_PROCESS
     import jax
+    import jax.monitoring
     if args.compile_cache:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compile_cache))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        # Every program, however quick to compile, so that a second run loads them all. XLA's cache key is
+        # the program itself (shapes, dtypes, flags baked in) with the compiler's version: a changed model,
+        # dtype or flag makes a new program, never a stale hit. The weights are inputs, not part of it.
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.monitoring.register_event_listener(lambda event, **_: COMPILE_CACHE_HITS.__setitem__(
+            0, COMPILE_CACHE_HITS[0] + 1) if event.endswith("/cache_hits") else None)
     keep_tensorflow_off_accelerators()
     import keras
     explicit = any(v is not None for v in (args.coordinator_address, args.num_processes, args.process_id)) or \
@@ -1044,6 +1053,7 @@ class Trainer:
     def warm_up(self, buckets, batch_size, pad_id, with_eval):
         """Compiles every program training will run, up front, and says what it compiled."""
         import numpy as np
+        hits = COMPILE_CACHE_HITS[0]
         for length in buckets:
             batch = self.put_batch(collate([], [], length, batch_size, pad_id))
             started = time.time()
@@ -1066,6 +1076,8 @@ class Trainer:
             self._zeros = self._zeros.lower(self.trainable).compile()
             self._apply_step = self._apply_step.lower(self.trainable, self.opt_state, self.trainable,
                                                       np.float32(1)).compile()
+        if COMPILE_CACHE_HITS[0] > hits:
+            log(f"compilation cache: {COMPILE_CACHE_HITS[0] - hits} of these programs loaded, not compiled")
 
     def train_on(self, batches):
         """One optimizer step on `batches` ([(bucket length, collated arrays)], one per accumulated batch);

@@ -69,8 +69,8 @@ def wait_until_up(url, process, timeout=600):
         if process.poll() is not None:
             raise SystemExit(f"server exited {process.returncode}")
         try:
-            with urllib.request.urlopen(url, timeout=5) as r:
-                if r.status == 200:
+            with urllib.request.urlopen(url, timeout=5) as r:  # ready, and nothing left compiling behind it
+                if r.status == 200 and (not url.endswith("/health") or "compiling" not in json.loads(r.read())):
                     return
         except Exception:
             pass

@@ -98,11 +98,11 @@ for stage in $stages; do
       [ "$(curl -s -o /dev/null -w '%{http_code}' --unix-socket "$sock" http://localhost/health)" = 200 ] && { up=1; break; }
       sleep 2
     done
-    grep -E "warm-up|ready on" "$out/serve.log" | tee -a "$summary"
     if [ $up = 1 ]; then
       row "curl --unix-socket: $(curl -s --unix-socket "$sock" http://localhost/v1/completions \
         -H 'Content-Type: application/json' -d '{"prompt": "The river", "max_tokens": 8}' | head -c 300)"
       run_stage uds_check python3 scripts/uds_check.py "$sock" --adapter tuned
+      grep -E "warm-up|ready on" "$out/serve.log" | tee -a "$summary"  # after: the warm-up goes on once ready
       cat "$out/uds_check.log" | tee -a "$summary"
     else
       row "| serve | not ready in time: $(tail -2 "$out/serve.log" | tr '\n' ' ') |"

@@ -222,13 +222,15 @@ class ServerProcess:
         self.log = open(self.log_path, "w")
         self.process = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env or script_env())
 
-    def wait_ready(self, timeout=300):
+    def wait_ready(self, timeout=300, complete=True):
+        """Until /health is 200 and, if `complete`, nothing is left compiling in the background."""
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.process.poll() is not None:
                 raise AssertionError(f"serve.py exited {self.process.returncode}:\n{self.output()}")
             try:
-                if http("GET", self.url + "/health", timeout=5)[0] == 200:
+                status, body, _ = http("GET", self.url + "/health", timeout=5)
+                if status == 200 and not (complete and body.get("compiling")):
                     return self
             except OSError:
                 pass
@@ -261,10 +263,10 @@ class ServerProcess:
 def start_server(compile_cache):
     servers = []
 
-    def start(model_dir, *extra, wait=True, env=None, uds=None):
+    def start(model_dir, *extra, wait=True, env=None, uds=None, cache=None):
         if ACCELERATOR:
             pytest.skip(NO_SUBPROCESS_SERVER)
-        server = ServerProcess(model_dir, compile_cache, *extra, env=env, uds=uds)
+        server = ServerProcess(model_dir, cache or compile_cache, *extra, env=env, uds=uds)
         servers.append(server)
         return server.wait_ready() if wait else server
 

@@ -1,0 +1,153 @@
+"""The warm-up (issue #33): programs compiled on a thread pool; the server answers once the smallest
+batch's programs exist and compiles the rest in the background, each part taking effect only when it is
+compiled, so nothing ever compiles on a request's behalf; a restart loads its programs from the
+persistent compilation cache, and a changed flag does not load a stale one."""
+import threading
+
+import numpy as np
+import pytest
+
+import serve
+from conftest import http
+
+GREEDY = serve.SAMPLER_DEFAULTS["greedy"]
+SEEDED = {"temperature": 0.9, "top_k": 40, "top_p": 0.9}
+SYSTEM = list(range(500, 532))  # two full prefix blocks of 16
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    serve.on_compilation(serve.count_compilation)  # METRICS.request_compilations: those of no warm-up thread
+    return serve.load_model(serve.parse_args(["--model", str(tiny_model)]))[0]
+
+
+def make_engine(model):
+    engine = serve.Engine(model, [1, 2, 4], [64, 128], None, prefix_blocks=32, block_tokens=16, dispatch_ahead=True)
+    engine.long_chunk_seconds = 0
+    return engine
+
+
+def generations(engine, offset=0):
+    """Six requests of every shape: greedy and seeded, short and long prompts, two after a shared system
+    prompt (the second reuses its blocks once the prefix cache is on)."""
+    specs = [(GREEDY, 0, SYSTEM + [600, 601], 12), (SEEDED, 5, list(range(640, 660)), 9),
+             (GREEDY, 0, SYSTEM + [602, 603, 604], 7), (SEEDED, 8, list(range(700, 706)), 11),
+             (GREEDY, 0, list(range(720, 800)), 6), (GREEDY, 0, [810, 811], 10)]
+    return [serve.Generation([engine.bos] + [t + offset for t in ids], max_tokens, sampling, seed, [], None,
+                             logprobs=2) for sampling, seed, ids, max_tokens in specs]
+
+
+def answers(gens):
+    return [(g.ids, g.finish_reason) for g in gens]
+
+
+def run_worker(engine, gens, waves=1):
+    """Serves `gens` through a Worker, in `waves` submissions as the previous finish; returns the worker."""
+    worker = serve.Worker(engine, engine.batch_buckets[-1], 0.0, 100)
+    worker.start()
+    for wave in np.array_split(np.arange(len(gens)), waves):
+        worker.submit([gens[i] for i in wave])
+        for i in wave:
+            assert gens[i].done.wait(120)
+    return worker
+
+
+@pytest.mark.device
+def test_requests_are_served_by_compiled_programs_while_the_rest_compiles(model):
+    serial = make_engine(model)
+    serve.WarmUp(serial, threads=1).run()
+    want = generations(serial)
+    serial.generate(want, 4)
+
+    engine = make_engine(model)
+    warm_up = serve.WarmUp(engine, threads=2)
+    warm_up.first()
+    assert engine.ready_batches == [1] and engine.prefix is None and not engine.grouping
+    assert warm_up.pending == ["batch 2", "batch 4", "prefix cache", "grouped prefills"]
+    assert engine.batch_for(4) == 1
+    requests_compiled = serve.METRICS.request_compilations
+
+    background = threading.Thread(target=warm_up.rest, name="warm-up-rest")
+    background.start()
+    early = generations(engine)
+    worker = run_worker(engine, early, waves=3)  # served while the rest compiles
+    background.join(300)
+    assert not background.is_alive() and warm_up.pending == []
+    assert engine.ready_batches == [1, 2, 4] and engine.prefix is not None and engine.grouping
+    late = generations(engine)
+    worker.submit(late)  # all at once: grouped prefills, a grown batch, the system prompt's blocks reused
+    for g in late:
+        assert g.done.wait(120)
+
+    assert serve.METRICS.request_compilations == requests_compiled  # nothing compiled on a request's behalf
+    assert late[2].cached_tokens == 32
+    for got in (early, late):  # the same answers as after a serial warm-up, in whatever batch
+        assert answers(got) == answers(want)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose([lp for _, lp, _ in g.token_logprobs], [lp for _, lp, _ in w.token_logprobs],
+                                       atol=1e-4)
+
+
+@pytest.mark.device
+def test_a_parallel_warm_up_compiles_what_the_serial_one_runs(model):
+    engine = make_engine(model)
+    warm_up = serve.WarmUp(engine, threads=2)
+    compiled = []
+    serve.on_compilation(lambda: compiled.append(threading.current_thread().name))
+    warm_up.run()
+    # The passes that run each of the smallest batch's programs once compile nothing new: every
+    # program was compiled ahead, with the very arguments its caller passes.
+    names = {name for name, _, _ in warm_up.compiled}
+    assert {"decode batch 1 window 64 chunk 4", "decode batch 4 window 128 chunk 1", "next tokens batch 2",
+            "resize batch 1 to 2", "resize batch 4 to 2", "prefill 2 prompts block 16",
+            "prefill block 16 after a prefix in window 128"} <= names
+    assert all(name.startswith("warm-up") for name in compiled[:len(warm_up.compiled)])
+    assert len([n for n in compiled if not n.startswith("warm-up")]) <= 1  # at most the slot write
+    before = len(compiled)
+    gens = generations(engine, offset=3)
+    engine.generate(gens, 4)
+    engine.generate(generations(engine, offset=3), 1)
+    assert len(compiled) == before
+
+
+def test_health_lists_what_is_still_compiling_and_restarts_load_from_the_cache(tiny_model, tmp_path, start_server):
+    cache = str(tmp_path / "xla")
+    flags = ["--max-batch-size", "4", "--length-buckets", "64,128"]
+    first = start_server(tiny_model, *flags, cache=cache, wait=False).wait_ready(complete=False)
+    status, body, _ = serve_health(first)
+    compiling = body.get("compiling", [])
+    reply = post(first, {"prompt": "The river", "max_tokens": 6, "temperature": 0})
+    first.wait_ready()
+    assert first.metric("serve_request_compilations_total") == 0
+    assert serve_health(first)[1] == {"status": "ok"} and first.metric("serve_warmup_pending_parts") == 0
+    first_compiled = first.metric("serve_compilations_total")
+    first.stop()
+    assert status == 200 and compiling, "the tiny model's background warm-up takes seconds: it was still listed"
+    assert set(compiling) <= {"batch 2", "batch 4", "prefix cache", "grouped prefills"}
+    assert reply[0] == 200 and reply[1]["usage"]["completion_tokens"] == 6
+
+    again = start_server(tiny_model, *flags, cache=cache)
+    # A restart with the same flags loads every program: all its compilations are cache hits.
+    assert again.metric("serve_compilations_total") == again.metric("serve_compile_cache_hits_total") > 0
+    assert post(again, {"prompt": "The river", "max_tokens": 6, "temperature": 0})[1][
+        "choices"][0]["text"] == reply[1]["choices"][0]["text"]
+    assert "from the compilation cache" in again.output()
+    again.stop()
+
+    changed = start_server(tiny_model, *flags, "--enable-lora", "--max-adapters", "2", cache=cache)
+    # Adapter slots change every program that runs the model (decode, prefills): those are compiled anew
+    # (32 of 70 here); the copies and pool moves are the same programs as before, and load.
+    hits, compiled = changed.metric("serve_compile_cache_hits_total"), changed.metric("serve_compilations_total")
+    assert compiled - hits >= 0.3 * first_compiled and hits > 0
+    # The base through the new programs (no adapter loaded): the same answer.
+    assert post(changed, {"prompt": "The river", "max_tokens": 6, "temperature": 0})[1][
+        "choices"][0]["text"] == reply[1]["choices"][0]["text"]
+    changed.stop()
+
+
+def serve_health(server):
+    return http("GET", server.url + "/health")
+
+
+def post(server, body):
+    return http("POST", server.url + "/v1/completions", body)
