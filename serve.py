@@ -359,13 +359,13 @@ def on_compilation(callback):
         lambda event, *_, **__: callback() if event == "/jax/core/compile/backend_compile_duration" else None)
 
 
-def keep_tensorflow_off_accelerators():
-    """keras-hub imports TensorFlow; left alone it grabs GPU memory that JAX needs."""
-    try:
-        import tensorflow as tf
-        tf.config.set_visible_devices([], "GPU")
-    except Exception:  # not installed, or already initialised: nothing to keep off
-        pass
+def keep_tensorflow_out():
+    """keras-hub imports TensorFlow whenever it is installed, and serve.py never runs it: the model loads
+    without its preprocessor (load_model) and text goes through SentencePiece. Kept out, it costs no memory
+    (the real Gemma 3 270M's server: see BENCHMARKS.md) and cannot take the GPU's memory from JAX. A None in
+    sys.modules makes `import tensorflow` fail, which keras-hub takes as "not installed"."""
+    if "tensorflow" not in sys.modules:
+        sys.modules["tensorflow"] = None
 
 
 def make_text_codec(tokenizer):
@@ -453,7 +453,11 @@ def load_model(args):
     import keras_hub
     try:
         dtype = saved_dtype(args.model) if args.dtype == "auto" else args.dtype
-        model = keras_hub.models.CausalLM.from_preset(args.model, dtype=dtype)
+        # Without the task's own preprocessor: it serves keras-hub's generate() and tf.data, and some (Gemma
+        # 3's) refuse to exist without TensorFlow. A plain one holds the tokenizer, which is all serve.py reads.
+        model = keras_hub.models.CausalLM.from_preset(args.model, dtype=dtype, preprocessor=None)
+        model.preprocessor = keras_hub.models.CausalLMPreprocessor(
+            tokenizer=keras_hub.tokenizers.Tokenizer.from_preset(args.model))
     except Exception as e:
         raise LoadError(explain_load_error(args.model, e).replace("\n", " ")) from None
     shapes = lora_kernel_shapes(model.backbone) if hasattr(model.backbone, "transformer_layers") else {}
@@ -1432,13 +1436,18 @@ class Engine:
         at = self.batch_buckets.index(batch)
         new_cache = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), out_shardings=layout)
 
-        def decoder(fn):  # (values, cache, window, steps, ...) -> (outputs, cache), the cache donated
-            return jax.jit(functools.partial(fn, self.model, self.variables, self.adapters, self.axes, self.unroll),
-                           static_argnums=(2, 3), donate_argnums=(1,), out_shardings=((None, None), layout))
         rows = None if self.distribution is None else self.distribution.get_data_layout((batch,)).backend_layout
+        # A chunk's tokens [steps, batch] split as the rows are: next_tokens reads them, and the warm-up
+        # compiles it ahead from this layout (left to XLA, it is only known once the decode step is compiled).
+        tokens = None if rows is None else jax.sharding.NamedSharding(rows.mesh, jax.sharding.PartitionSpec(
+            None, *rows.spec))
+
+        def decoder(fn, sampled=None):  # (values, cache, window, steps, ...) -> (outputs, cache), the cache donated
+            return jax.jit(functools.partial(fn, self.model, self.variables, self.adapters, self.axes, self.unroll),
+                           static_argnums=(2, 3), donate_argnums=(1,), out_shardings=((sampled, None), layout))
         return BatchPrograms(
             new_cache, jax.jit(functools.partial(insert, self.axes), donate_argnums=(0,), out_shardings=layout),
-            decoder(decode_chunk), decoder(decode_until_done) if long else None,
+            decoder(decode_chunk, tokens), decoder(decode_until_done) if long else None,
             jax.jit(next_tokens, out_shardings=rows),
             # Copies of chosen rows into a batch of the next smaller or larger size, in that size's layout.
             {size: jax.jit(resize_cache, out_shardings=self.cache_layout(size)[1])
@@ -3821,7 +3830,6 @@ def load(server):
             jax.monitoring.register_event_listener(
                 lambda event, **_: METRICS.add("compile_cache_hits") if event.endswith("/cache_hits") else None)
         on_compilation(count_compilation)
-        keep_tensorflow_off_accelerators()
         distribution, batch_axis = setup_distribution(args)
         started = time.time()
         model, dtype, server.kernel_shapes = load_model(args)
@@ -3876,6 +3884,7 @@ def load(server):
 
 
 def main(argv=None):
+    keep_tensorflow_out()  # before anything imports keras-hub
     args = parse_args(argv)
     check_model_exists(args.model)
     check_adapters_exist(args)

@@ -275,3 +275,16 @@ def test_help_describes_every_flag():
                  "--max-connections"]:
         assert flag in out, flag
     assert "gemma-2b-dolly-lora" in out and "0.0.0.0" in out and "8080" in out
+
+
+def test_the_server_runs_without_tensorflow(tiny_server, adapter_server):
+    """TensorFlow is installed (train_local.py's keras-hub preprocessors use it) and keras-hub imports it
+    whenever it can; serve.py keeps it out of its process (issue #35: hundreds of MiB of RSS). Our own
+    output (a Keras preset) and a transformers-layout dir both load and answer without it."""
+    import importlib.util
+    from pathlib import Path
+    assert importlib.util.find_spec("tensorflow") is not None
+    for server in (tiny_server, adapter_server):
+        assert "tensorflow" not in Path(f"/proc/{server.process.pid}/maps").read_text()
+        status, body, _ = http("POST", server.url + "/v1/completions", {"prompt": "The river", "max_tokens": 4})
+        assert status == 200 and body["usage"]["completion_tokens"] == 4
