@@ -113,7 +113,9 @@ def parse_args(argv=None):
     p.add_argument("--uds-mode", default="600", metavar="OCTAL",
                    help="the socket file's permissions, which are its access control: 600 (default) lets only this "
                         "user connect, 660 the group too")
-    p.add_argument("--max-batch-size", type=int, default=8, help="most requests decoded together (default: 8)")
+    p.add_argument("--max-batch-size", default="auto",
+                   help="most requests decoded together; auto (default): 8 on a CPU, on a GPU or TPU the largest power "
+                        "of two up to 256 whose KV cache fits the device's free memory (the log says why)")
     p.add_argument("--batch-sizes", default=None, metavar="N,N,...",
                    help="batch sizes compiled at start-up, the largest being --max-batch-size (default: powers of "
                         "two up to --max-batch-size); fewer start faster, a model of several minutes' warm-up per "
@@ -156,7 +158,14 @@ def parse_args(argv=None):
         if not args.batch_sizes or args.batch_sizes[0] < 1:
             p.error("--batch-sizes must list sizes of at least 1")
         args.max_batch_size = args.batch_sizes[-1]
-    if args.max_batch_size < 1 or args.max_queue < 1 or args.max_connections < 1:
+    elif args.max_batch_size == "auto":
+        args.max_batch_size = None  # decided once the model is on the device (fitting_batch_size)
+    else:
+        try:
+            args.max_batch_size = int(args.max_batch_size)
+        except ValueError:
+            p.error(f"--max-batch-size {args.max_batch_size}: a number, or auto")
+    if (args.max_batch_size or 1) < 1 or args.max_queue < 1 or args.max_connections < 1:
         p.error("--max-batch-size, --max-queue and --max-connections must be at least 1")
     if args.idle_timeout <= 0:
         p.error("--idle-timeout must be positive")
@@ -325,6 +334,8 @@ class Metrics:
                       "sizes, the prefix cache, grouped prefills); requests use only what is compiled.",
                       "# TYPE serve_warmup_pending_parts gauge", f"serve_warmup_pending_parts {self.warm_up_pending()}",
                       "# TYPE serve_ready gauge", f"serve_ready {int(ready)}",
+                      "# HELP serve_process_resident_bytes This process's resident memory (RSS).",
+                      "# TYPE serve_process_resident_bytes gauge", f"serve_process_resident_bytes {process_rss()}",
                       "# HELP serve_weight_bytes Bytes of model weights held on the device(s).",
                       "# TYPE serve_weight_bytes gauge", f"serve_weight_bytes {self.weight_bytes}"]
             if self.weights:
@@ -437,6 +448,36 @@ def saved_dtype(preset):
     return dtype if dtype in ("float32", "bfloat16", "float16", "mixed_bfloat16", "mixed_float16") else "float32"
 
 
+def process_rss():
+    """This process's resident memory in bytes, now (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+class MemoryLog:
+    """Where the process's resident memory went: RSS at each stage of start-up (the differences add up to
+    the last), next to the sizes of what the device holds (weights, each batch's KV cache, the prefix pool,
+    adapter slots). On a CPU those live inside the RSS; on a GPU or TPU they do not."""
+
+    def __init__(self):
+        self.stages = [("start", process_rss())]
+        self.held = []  # (what, bytes) on the device
+
+    def stage(self, name):
+        self.stages.append((name, process_rss()))
+
+    def lines(self):
+        (first, base), total = self.stages[0], self.stages[-1][1]
+        parts = [f"{first} {base / 2**20:,.0f}"]
+        for (_, before), (name, now) in zip(self.stages, self.stages[1:]):
+            parts.append(f"{'+' if now >= before else '-'} {name} {abs(now - before) / 2**20:,.0f}")
+        return [f"memory: RSS {total / 2**20:,.0f} MiB = " + " ".join(parts),
+                "memory: held for the model: " + ", ".join(f"{what} {size / 2**20:,.1f} MiB" for what, size in self.held)]
+
+
 def release_freed_memory():
     """Hands memory freed by quantizing back to the OS: glibc keeps it otherwise, and RSS would not shrink."""
     import ctypes
@@ -448,8 +489,9 @@ def release_freed_memory():
         pass
 
 
-def load_model(args):
-    """The preset in the dtype asked for (auto: as saved), quantized if asked; errors explained in one line."""
+def load_model(args, memory=None):
+    """The preset in the dtype asked for (auto: as saved), quantized if asked; errors explained in one line.
+    `memory`: a MemoryLog to note each step's RSS in."""
     import keras_hub
     try:
         dtype = saved_dtype(args.model) if args.dtype == "auto" else args.dtype
@@ -461,6 +503,8 @@ def load_model(args):
     except Exception as e:
         raise LoadError(explain_load_error(args.model, e).replace("\n", " ")) from None
     shapes = lora_kernel_shapes(model.backbone) if hasattr(model.backbone, "transformer_layers") else {}
+    if memory is not None:
+        memory.stage("model loaded")
     if args.quantize != "none":
         import keras
         # The dense layers and the embedding: all Gemma's big weights. The embedding is also the tied output
@@ -477,6 +521,8 @@ def load_model(args):
             raise LoadError(f"--quantize {args.quantize}: {type(model.backbone).__name__} cannot be quantized so: "
                             f"{type(e).__name__}: {str(e).splitlines()[0][:300]}") from None
         release_freed_memory()
+        if memory is not None:
+            memory.stage("quantized")
     return model, dtype, shapes
 
 
@@ -1684,9 +1730,13 @@ class WarmUp:
         self.pending = self.parts()[1:]
         self.compile(self.prefill_calls() + self.batch_calls(smallest))
         self.decode(smallest)
-        self.adapter_slots()
-        log(f"warm-up: batch {smallest} can answer after {time.time() - started:.1f}s"
+        log(f"warm-up: batch {smallest}: compiled decode over windows {','.join(map(str, engine.length_buckets))}"
+            f" and prompt blocks {','.join(map(str, engine.prompt_blocks))} in {time.time() - started:.1f}s"
+            f" ({len(self.compiled)} programs on {self.threads} threads; chunks of {DECODE_CHUNK} and 1"
+            f"{f' and up to {LONGEST_CHUNK}' if engine.programs[smallest].decode_long else ''} tokens"
+            f"{', unrolled' if engine.unroll else ''}{', dispatched ahead' if engine.dispatch_ahead else ''})"
             f"{'; still to compile: ' + ', '.join(self.pending) if self.pending else ''}")
+        self.adapter_slots()
 
     def parts(self):
         """The parts in the order they are compiled and take effect: batch sizes in increasing order (a batch
@@ -1712,7 +1762,7 @@ class WarmUp:
                     job.result()
                 effects[part]()
                 self.pending.remove(part)
-                log(f"warm-up: {part} ready after {time.time() - started:.1f}s more")
+                log(f"warm-up: {self.describe(part)} ready after {time.time() - started:.1f}s more")
         parts, queued = list(self.pending), []
         with ThreadPoolExecutor(self.threads, thread_name_prefix="warm-up") as pool:
             # Each part is traced and queued while the ones before it compile: the compiler threads stay busy.
@@ -1725,6 +1775,16 @@ class WarmUp:
                 f"({sum(c for _, _, c in self.compiled):.1f}s of compiling, "
                 f"{sum(t for _, t, _ in self.compiled):.1f}s of tracing; the slowest, "
                 f"{max(self.compiled, key=lambda c: c[2])[0]}: {max(c for _, _, c in self.compiled):.1f}s)")
+
+    def describe(self, part):
+        engine = self.engine
+        if part == "prefix cache":
+            return (f"prefix cache of {self.prefix.blocks} blocks of {self.prefix.block_tokens} tokens "
+                    f"({engine.pool_bytes / 2**20:,.1f} MiB)")
+        if part == "grouped prefills":
+            return (f"prefills of {','.join(map(str, engine.group_sizes))} prompts at once in blocks "
+                    f"{','.join(map(str, engine.group_blocks))}")
+        return part + " (decode, inserts, the copies to and from the next smaller size)"
 
     def prefill_calls(self):
         """(name, jitted program, arguments) of a lone prompt's prefill, per block."""
@@ -1828,7 +1888,7 @@ class WarmUp:
     def decode(self, batch):
         """Runs the batch's programs once each (compiled above): a first run can still cost, e.g. the
         device's memory for the cache."""
-        engine, started = self.engine, time.time()
+        engine = self.engine
         # The longest prompt that leaves room for one new token is prefilled in the largest block.
         rows = [Generation([engine.bos] * min(block, engine.max_length - 1), 1, SAMPLER_DEFAULTS["greedy"], 0, [],
                            None) for block in engine.prompt_blocks]
@@ -1840,12 +1900,6 @@ class WarmUp:
             for _ in range(2):  # the second chunk is dispatched ahead of reading the first: next_tokens
                 decoding.step(engine.length_buckets[0], DECODE_CHUNK)
             decoding.settle()
-        log(f"warm-up: batch {batch}: decode over windows {','.join(map(str, engine.length_buckets))}"
-            f" and prompt blocks {','.join(map(str, engine.prompt_blocks))} in {time.time() - started:.1f}s"
-            f" (chunks of {DECODE_CHUNK} and 1"
-            f"{f' and up to {LONGEST_CHUNK}' if decoding.decode_long else ''} tokens"
-            f"{', unrolled' if engine.unroll else ''}{', dispatched ahead' if engine.dispatch_ahead else ''};"
-            f" {len(self.compiled)} programs compiled on {self.threads} threads)")
 
     def adapter_slots(self):
         slots = self.engine.adapters
@@ -2364,6 +2418,7 @@ class Server:
         self.grammars = collections.OrderedDict()  # grammar text -> compiled LLMatcher, least recently used first
         self.warm_up = None  # the WarmUp: what is still compiling after the server is ready
         self.started = time.time()
+        self.memory = MemoryLog()
 
     def advance(self, state):
         """Moves to `state` unless shutdown has begun: a loader finishing its warm-up after a SIGTERM must
@@ -3780,6 +3835,45 @@ def batch_buckets(max_batch_size, batch_axis, sizes=None):
     return sorted({-(-s // batch_axis) * batch_axis for s in sizes})
 
 
+AUTO_BATCH_CAP = 256
+CPU_BATCH_SIZE = 8  # a CPU's matrix units are full long before its memory is
+
+
+def auto_batch_size(model, args):
+    """--max-batch-size auto: CPU_BATCH_SIZE on a CPU; on a GPU or TPU what fitting_batch_size allows in the
+    memory the device has left after the weights and adapters (loaded by now), logged with its reasons."""
+    import jax
+    device = jax.local_devices()[0]
+    stats = device.memory_stats() if jax.default_backend() != "cpu" else None
+    if not stats or "bytes_limit" not in stats:
+        log(f"--max-batch-size auto: {CPU_BATCH_SIZE} ({device.platform}: no device memory to fill)")
+        return CPU_BATCH_SIZE
+    # A row's KV cache over the longest request, split over the devices (by rows or by heads).
+    row = sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(cache_shapes(model, 1, args.length_buckets[-1])))
+    row /= jax.device_count()
+    pool = row / args.length_buckets[-1] * args.prefix_block_tokens * (args.prefix_cache_blocks + 1)
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0) - pool
+    size, need = fitting_batch_size(free, row, model.backbone.vocabulary_size / jax.device_count())
+    log(f"--max-batch-size auto: {size} on {device.device_kind}: a row's KV cache is {row / 2**20:,.1f} MiB over "
+        f"{args.length_buckets[-1]} positions; {free / 2**30:.2f} GiB free after the weights, adapters and the "
+        f"prefix pool ({pool / 2**20:,.0f} MiB)" + (f"; batch {size * 2} would need {need / 2**30:.2f} GiB"
+                                                     if size < AUTO_BATCH_CAP else f" (capped at {AUTO_BATCH_CAP})"))
+    return size
+
+
+def fitting_batch_size(free_bytes, row_bytes, vocabulary, headroom=0.15, cap=AUTO_BATCH_CAP):
+    """(the largest power of two up to `cap` whose decoding fits `free_bytes`, the bytes the next size up
+    would need). Decoding batch b holds its cache and, while it grows in place, the next smaller one's
+    (1.5 caches), and per row a step's float32 logits with the sampler's copies of them (3 x vocabulary x
+    4 bytes); `headroom` of the free memory is left for XLA's other temporaries."""
+    def need(batch):
+        return 1.5 * batch * row_bytes + 3 * 4 * batch * vocabulary
+    size = 1
+    while size * 2 <= cap and need(size * 2) <= (1 - headroom) * free_bytes:
+        size *= 2
+    return size, need(size * 2)
+
+
 def adapter_slots_for(server, model, distribution):
     """The adapter slots, with every --adapter read, checked and loaded (None when none are asked for)."""
     args, shapes = server.args, server.kernel_shapes
@@ -3821,6 +3915,8 @@ def load(server):
     args = server.args
     try:
         import jax.monitoring
+        import keras_hub  # noqa: F401  (its imports, in the memory table)
+        server.memory.stage("imports")
         if args.compile_cache:
             jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compile_cache))
             # Every program, however quick to compile, so that a restart loads them all. XLA's cache key is the
@@ -3832,7 +3928,7 @@ def load(server):
         on_compilation(count_compilation)
         distribution, batch_axis = setup_distribution(args)
         started = time.time()
-        model, dtype, server.kernel_shapes = load_model(args)
+        model, dtype, server.kernel_shapes = load_model(args, server.memory)
         server.template = read_prompt_template(args.model, model.preprocessor.tokenizer.get_vocabulary())
         METRICS.weight_bytes = sum(v.value.nbytes for v in model.weights)
         METRICS.weights = {"dtype": dtype, "quantize": args.quantize}
@@ -3842,12 +3938,23 @@ def load(server):
         if not server.advance("warming"):
             return
         server.adapters = adapter_slots_for(server, model, distribution)
+        if args.max_batch_size is None:
+            args.max_batch_size = auto_batch_size(model, args)
         engine = Engine(model, batch_buckets(args.max_batch_size, batch_axis, args.batch_sizes), args.length_buckets,
                         distribution, adapters=server.adapters, prefix_blocks=args.prefix_cache_blocks,
                         block_tokens=args.prefix_block_tokens)
         if engine.prefix is not None:
             METRICS.prefix_bytes, METRICS.prefix_blocks = engine.pool_bytes, engine.prefix.blocks
             METRICS.prefix_used = engine.prefix.used
+        server.memory.stage("adapters and pool")
+        server.memory.held = [("weights", METRICS.weight_bytes)] + [
+            (f"KV cache batch {batch}", sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(
+                engine.cache_layout(batch)[0]))) for batch in engine.batch_buckets]
+        if engine.prefix is not None:
+            server.memory.held.append(("prefix pool", engine.pool_bytes))
+        if server.adapters is not None:
+            server.memory.held.append((f"{server.adapters.max_adapters} adapter slots",
+                                       server.adapters.slot_bytes * server.adapters.max_adapters))
         started = time.time()
         server.grammar_tokenizer = grammar_tokenizer(model.preprocessor.tokenizer, engine.vocabulary_size,
                                                      engine.stop_ids)
@@ -3858,6 +3965,8 @@ def load(server):
         server.warm_up = WarmUp(engine)
         METRICS.warm_up_pending = lambda: len(server.warm_up.pending)
         server.warm_up.first()
+        release_freed_memory()
+        server.memory.stage("warm-up")
         server.engine = engine
         server.worker = Worker(engine, engine.batch_buckets[-1], args.batch_window_ms / 1000, args.max_queue)
         server.worker.start()
@@ -3873,6 +3982,10 @@ def load(server):
         log(f"warm-up: {len(engine.batch_buckets)} batch sizes x {len(engine.length_buckets)} windows, "
             f"{METRICS.compilations} XLA compilations ({METRICS.compile_cache_hits} from the compilation cache) "
             f"in {time.time() - started:.1f}s")
+        release_freed_memory()
+        server.memory.stage("background warm-up")
+        for line in server.memory.lines():
+            log(line)
     except LoadError as e:
         log(f"error: {e}")
         server.advance("unloadable")

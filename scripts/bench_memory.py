@@ -11,6 +11,13 @@ the same process (a jitted sum over 256 MiB). int8/int4 quantize a float32 load,
 --quantize` does.
 Training, each setting: train_local.py with the demo's 40 steps (int8/int4: QLoRA, `--quantize`):
 ms per step, eval loss after, peak RSS.
+
+    python3 scripts/bench_memory.py --servers [--compare OLD_SERVE_PY]
+
+The server as users run it (issue #35): `serve.py --uds` with `--length-buckets 128 --max-batch-size 2`,
+float32 and int8, the prefix cache off and on, each started fresh, after its warm-up and one request:
+its RSS and the memory table it logs (where the RSS went, stage by stage); with --compare, the same
+for another serve.py (e.g. an older commit's, `git show 43dff77:serve.py > /tmp/old.py`) side by side.
 """
 import argparse
 import json
@@ -33,12 +40,14 @@ def parse_args():
                    help="transformers-layout Gemma dir (converted from the PyPI GGUF when missing)")
     p.add_argument("--settings", default="float32,bfloat16,int8,int4")
     p.add_argument("--skip-training", action="store_true")
+    p.add_argument("--servers", action="store_true", help="measure serve.py itself, run as a server (see above)")
+    p.add_argument("--compare", default=None, metavar="OLD_SERVE_PY", help="with --servers: also this serve.py")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one serving setting, in its own process
     return p.parse_args()
 
 
-def memory_mib():
-    status = Path("/proc/self/status").read_text()
+def memory_mib(pid="self"):
+    status = Path(f"/proc/{pid}/status").read_text()
     return {key: int(re.search(rf"{key}:\s+(\d+)", status).group(1)) / 1024 for key in ("VmRSS", "VmHWM")}
 
 
@@ -111,6 +120,76 @@ def train(model_dir, setting, work):
             "peak_rss_gib": float(peak.group(1)) if peak else None}
 
 
+SERVER_SETTINGS = {"float32, prefix cache off": ["--dtype", "float32", "--prefix-cache-blocks", "0"],
+                   "float32, prefix cache default": ["--dtype", "float32"],
+                   "int8, prefix cache off": ["--quantize", "int8", "--prefix-cache-blocks", "0"],
+                   "int8, prefix cache default": ["--quantize", "int8"]}
+
+
+def unix_request(sock, method, path, body=None):
+    import http.client
+    import socket
+
+    class Connection(http.client.HTTPConnection):
+        def connect(self):
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.connect(sock)
+    connection = Connection("localhost", timeout=600)
+    connection.request(method, path, body=None if body is None else json.dumps(body),
+                       headers={"Content-Type": "application/json"})
+    response = connection.getresponse()
+    return response.status, json.loads(response.read() or b"null")
+
+
+def measure_server(serve_py, model_dir, flags, env, work):
+    """(RSS MiB after warm-up and one request, the memory table lines the server logged, its answer, seconds
+    from launch to the first /health 200 and to nothing left compiling)."""
+    sock, log_path = str(work / "serve.sock"), work / "serve.log"
+    with open(log_path, "w") as log:
+        server = subprocess.Popen([sys.executable, serve_py, "--model", model_dir, "--uds", sock, "--compile-cache",
+                                   "", "--length-buckets", "128", "--max-batch-size", "2", *flags], stdout=log,
+                                  stderr=subprocess.STDOUT, env=env)
+    started, ready = time.time(), None
+    try:
+        deadline = started + 1800
+        while time.time() < deadline and server.poll() is None:
+            try:
+                status, body = unix_request(sock, "GET", "/health")
+                ready = ready or (time.time() - started if status == 200 else None)
+                if status == 200 and not body.get("compiling"):
+                    break
+            except OSError:
+                pass
+            time.sleep(0.25)
+        complete = time.time() - started
+        _, answer = unix_request(sock, "POST", "/v1/completions", {"prompt": "The river", "max_tokens": 16,
+                                                                    "temperature": 0})
+        rss = memory_mib(server.pid)["VmRSS"]
+    finally:
+        server.terminate()
+        server.wait(60)
+    table = [l.split(" ", 1)[1] for l in log_path.read_text().splitlines() if " memory: " in l]
+    return rss, table, answer["choices"][0]["text"], ready, complete
+
+
+def servers(args, env):
+    work = Path(tempfile.mkdtemp(prefix="bench-memory-servers-"))
+    sides = [("this serve.py", str(REPO / "serve.py"))] + ([("--compare", args.compare)] if args.compare else [])
+    rows = []
+    for name, flags in SERVER_SETTINGS.items():
+        for side, serve_py in sides:
+            rss, table, text, ready, complete = measure_server(serve_py, args.model, flags, env, work)
+            rows.append((name, side, rss, text))
+            print(f"{name}, {side}: RSS {rss:,.0f} MiB after warm-up and one request; ready {ready:.1f}s after "
+                  f"launch, nothing left compiling after {complete:.1f}s; answer {text!r}", flush=True)
+            for line in table:
+                print(f"    {line}", flush=True)
+    print("\n| setting | " + " | ".join(f"RSS MiB ({side})" for side, _ in sides) + " |\n|---|"
+          + "---|" * len(sides))
+    for name in SERVER_SETTINGS:
+        print(f"| {name} | " + " | ".join(f"{rss:,.0f}" for n, _, rss, _ in rows if n == name) + " |")
+
+
 def main():
     args = parse_args()
     if args.worker:
@@ -118,6 +197,8 @@ def main():
     env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3")
     if not (Path(args.model) / "config.json").exists():
         subprocess.run([sys.executable, str(REPO / "scripts" / "gguf_to_hf.py"), args.model], check=True, env=env)
+    if args.servers:
+        return servers(args, env)
     settings = args.settings.split(",")
     serving = []
     for setting in settings:

@@ -86,7 +86,9 @@ def completions(server):
 
 def test_serving_on_a_mesh_answers_like_one_device(runs, start_server):
     model_dir = runs["model"][0]
-    flags = ["--length-buckets", "64", "--max-batch-size", "4"]
+    # A batch window long enough that the 4 concurrent requests below start together (prefilled as a group)
+    # even on a loaded machine.
+    flags = ["--length-buckets", "64", "--max-batch-size", "4", "--batch-window-ms", "100"]
     one = start_server(model_dir, *flags)
     expected = completions(one)
     one.stop()

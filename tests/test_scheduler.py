@@ -220,3 +220,20 @@ def test_health_is_503_once_the_worker_thread_is_gone():
     with pytest.raises(serve.RequestError) as refused:
         serve.ready_engine(state)
     assert refused.value.status == 503
+
+
+def test_max_batch_size_auto_fills_the_device_memory_left_and_keeps_8_on_a_cpu(engine):
+    gib, mib = 2**30, 2**20
+    # Gemma 2B in bfloat16 on one TPU v5e (15.7 GiB): ~10.5 GiB left after the weights and the pool. A row's
+    # KV cache is 18 layers x K and V x 256 dims x 2 bytes a position; the vocabulary 256,000.
+    row_256, row_8192 = 18 * 2 * 256 * 2 * 256, 18 * 2 * 256 * 2 * 8192
+    assert serve.fitting_batch_size(10.5 * gib, row_256, 256_000) == (256, pytest.approx(
+        1.5 * 512 * row_256 + 12 * 512 * 256_000))  # capped
+    size, need = serve.fitting_batch_size(10.5 * gib, row_8192, 256_000)
+    assert size == 32 and need > 0.85 * 10.5 * gib  # 64 rows of 8,192 positions would not fit
+    assert serve.fitting_batch_size(100 * mib, row_8192, 256_000)[0] == 1  # never less than one row
+    sizes = [serve.fitting_batch_size(free * gib, row_8192, 256_000)[0] for free in (1, 2, 4, 8, 16, 32, 64, 128)]
+    assert sizes == sorted(sizes) and sizes[-1] == 256
+    args = serve.parse_args(["--model", "x"])
+    assert args.max_batch_size is None  # auto: decided on the device
+    assert serve.auto_batch_size(engine.model, args) == 8  # a CPU

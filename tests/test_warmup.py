@@ -3,6 +3,7 @@ batch's programs exist and compiles the rest in the background, each part taking
 compiled, so nothing ever compiles on a request's behalf; a restart loads its programs from the
 persistent compilation cache, and a changed flag does not load a stale one."""
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -121,6 +122,7 @@ def test_health_lists_what_is_still_compiling_and_restarts_load_from_the_cache(t
     assert first.metric("serve_request_compilations_total") == 0
     assert serve_health(first)[1] == {"status": "ok"} and first.metric("serve_warmup_pending_parts") == 0
     first_compiled = first.metric("serve_compilations_total")
+    check_memory_table(first)
     first.stop()
     assert status == 200 and compiling, "the tiny model's background warm-up takes seconds: it was still listed"
     assert set(compiling) <= {"batch 2", "batch 4", "prefix cache", "grouped prefills"}
@@ -151,3 +153,23 @@ def serve_health(server):
 
 def post(server, body):
     return http("POST", server.url + "/v1/completions", body)
+
+
+def check_memory_table(server):
+    """The start-up's memory table (issue #35): its stages add up to the RSS it reports, which is the
+    process's, as /metrics' is; the device's holdings are listed by name."""
+    import re
+    from pathlib import Path
+    deadline = time.time() + 30  # logged just after the last part takes effect
+    while "memory: held" not in server.output() and time.time() < deadline:
+        time.sleep(0.2)
+    line = next(l for l in server.output().splitlines() if "memory: RSS" in l)
+    total, parts = re.match(r".*memory: RSS ([\d,]+) MiB = (.*)$", line).groups()
+    numbers = re.findall(r"(?:^|([+-]) )[a-z ()-]+? ([\d,]+)(?= [+-] |$)", parts)
+    added = sum((-1 if sign == "-" else 1) * int(n.replace(",", "")) for sign, n in numbers)
+    assert len(numbers) >= 6 and abs(added - int(total.replace(",", ""))) <= len(numbers)  # rounding
+    rss = int(re.search(r"VmRSS:\s+(\d+) kB", Path(f"/proc/{server.process.pid}/status").read_text()).group(1)) / 1024
+    assert abs(int(total.replace(",", "")) - rss) <= 0.1 * rss
+    assert abs(server.metric("serve_process_resident_bytes") / 2**20 - rss) <= 0.1 * rss
+    held = next(l for l in server.output().splitlines() if "memory: held for the model" in l)
+    assert "weights" in held and "KV cache batch 4" in held and "prefix pool" in held
