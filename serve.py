@@ -503,6 +503,7 @@ def load_model(args, memory=None):
     except Exception as e:
         raise LoadError(explain_load_error(args.model, e).replace("\n", " ")) from None
     shapes = lora_kernel_shapes(model.backbone) if hasattr(model.backbone, "transformer_layers") else {}
+    release_freed_memory()  # the converter's and loader's copies of the weights
     if memory is not None:
         memory.stage("model loaded")
     if args.quantize != "none":
@@ -1717,6 +1718,11 @@ class WarmUp:
         self.compiled = []  # (program, seconds to trace and lower, seconds to compile)
         self.pending = []  # the parts rest() has still to compile, by name (for /health and /metrics)
         self.prefix = engine.prefix  # held back from the Engine until its programs exist
+        # One arguments object per prompt block and per (program, arguments) one lowering, however often used.
+        self.prefills = {block: Output(engine._prefill, (engine.values, engine.tokens([[engine.bos]], block),
+                                                         engine.lora_tables, np.int32(0)))
+                         for block in engine.prompt_blocks}
+        self.lowered = {}
 
     def run(self):
         """Everything, in this thread."""
@@ -1788,14 +1794,7 @@ class WarmUp:
 
     def prefill_calls(self):
         """(name, jitted program, arguments) of a lone prompt's prefill, per block."""
-        return [(f"prefill block {block}", *self.prefill_output(block)[:2]) for block in self.engine.prompt_blocks]
-
-    def prefill_output(self, block):
-        engine = self.engine
-        if not hasattr(self, "_prefills"):  # one args object per block: lowered once, however often it is used
-            self._prefills = {b: Output(engine._prefill, (engine.values, engine.tokens([[engine.bos]], b),
-                                                          engine.lora_tables, np.int32(0))) for b in engine.prompt_blocks}
-        return self._prefills[block]
+        return [(f"prefill block {block}", *self.prefills[block][:2]) for block in self.engine.prompt_blocks]
 
     def batch_calls(self, batch):
         """The programs of one batch size, with the arguments its DecodeBatch passes them (its cache as an
@@ -1824,7 +1823,7 @@ class WarmUp:
                           (sampled, feed(bool), feed(int32))))
         for block in engine.prompt_blocks:
             calls.append((f"insert batch {batch} block {block}", programs.insert,
-                          (cache, self.prefill_output(block), int32(0))))
+                          (cache, self.prefills[block], int32(0))))
         at = engine.batch_buckets.index(batch)
         if at:
             smaller = engine.batch_buckets[at - 1]
@@ -1845,7 +1844,7 @@ class WarmUp:
         size, scratch = self.prefix.block_tokens, self.prefix.scratch
         for length in engine.prompt_blocks:
             calls.append((f"pool store block {length}", engine._store,
-                          (engine.pool, self.prefill_output(length), np.zeros(length // size, int32),
+                          (engine.pool, self.prefills[length], np.zeros(length // size, int32),
                            np.full(length // size, scratch, int32))))
             if length in engine.length_buckets:
                 gathered = Output(engine._gather, (engine.pool, np.full(length // size, scratch, int32)))
@@ -1861,8 +1860,7 @@ class WarmUp:
         model's layers), and queues its compiling on `pool`: XLA's compiler releases the GIL. A compiled
         program lands in its jit's caches, so the call that runs it later compiles nothing. An Output
         argument stands for that program's output, as an abstract value. Returns the futures."""
-        lowered, jobs = getattr(self, "_lowered", {}), []
-        self._lowered = lowered
+        lowered, jobs = self.lowered, []
 
         def lower(program, args):  # once per (program, args) object: an Output's program is also a call
             if (id(program), id(args)) not in lowered:

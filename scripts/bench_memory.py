@@ -14,7 +14,7 @@ ms per step, eval loss after, peak RSS.
 
     python3 scripts/bench_memory.py --servers [--compare OLD_SERVE_PY]
 
-The server as users run it (issue #35): `serve.py --uds` with `--length-buckets 128 --max-batch-size 2`,
+The server as users run it (issue #35): `serve.py` with `--length-buckets 128 --max-batch-size 2`,
 float32 and int8, the prefix cache off and on, each started fresh, after its warm-up and one request:
 its RSS and the memory table it logs (where the RSS went, stage by stage); with --compare, the same
 for another serve.py (e.g. an older commit's, `git show 43dff77:serve.py > /tmp/old.py`) side by side.
@@ -126,35 +126,37 @@ SERVER_SETTINGS = {"float32, prefix cache off": ["--dtype", "float32", "--prefix
                    "int8, prefix cache default": ["--quantize", "int8"]}
 
 
-def unix_request(sock, method, path, body=None):
-    import http.client
-    import socket
-
-    class Connection(http.client.HTTPConnection):
-        def connect(self):
-            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self.sock.connect(sock)
-    connection = Connection("localhost", timeout=600)
-    connection.request(method, path, body=None if body is None else json.dumps(body),
-                       headers={"Content-Type": "application/json"})
-    response = connection.getresponse()
-    return response.status, json.loads(response.read() or b"null")
+def request(url, body=None):
+    import urllib.error
+    import urllib.request
+    data = None if body is None else json.dumps(body).encode()
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data, {"Content-Type": "application/json"}),
+                                    timeout=600) as response:
+            return response.status, json.loads(response.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, None
 
 
 def measure_server(serve_py, model_dir, flags, env, work):
     """(RSS MiB after warm-up and one request, the memory table lines the server logged, its answer, seconds
-    from launch to the first /health 200 and to nothing left compiling)."""
-    sock, log_path = str(work / "serve.sock"), work / "serve.log"
+    from launch to the first /health 200 and to nothing left compiling). Over TCP: an older serve.py has
+    no --uds."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url, log_path = f"http://127.0.0.1:{port}", work / "serve.log"
     with open(log_path, "w") as log:
-        server = subprocess.Popen([sys.executable, serve_py, "--model", model_dir, "--uds", sock, "--compile-cache",
-                                   "", "--length-buckets", "128", "--max-batch-size", "2", *flags], stdout=log,
-                                  stderr=subprocess.STDOUT, env=env)
+        server = subprocess.Popen([sys.executable, serve_py, "--model", model_dir, "--port", str(port),
+                                   "--compile-cache", "", "--length-buckets", "128", "--max-batch-size", "2", *flags],
+                                  stdout=log, stderr=subprocess.STDOUT, env=env)
     started, ready = time.time(), None
     try:
         deadline = started + 1800
         while time.time() < deadline and server.poll() is None:
             try:
-                status, body = unix_request(sock, "GET", "/health")
+                status, body = request(url + "/health")
                 ready = ready or (time.time() - started if status == 200 else None)
                 if status == 200 and not body.get("compiling"):
                     break
@@ -162,8 +164,7 @@ def measure_server(serve_py, model_dir, flags, env, work):
                 pass
             time.sleep(0.25)
         complete = time.time() - started
-        _, answer = unix_request(sock, "POST", "/v1/completions", {"prompt": "The river", "max_tokens": 16,
-                                                                    "temperature": 0})
+        _, answer = request(url + "/v1/completions", {"prompt": "The river", "max_tokens": 16, "temperature": 0})
         rss = memory_mib(server.pid)["VmRSS"]
     finally:
         server.terminate()
