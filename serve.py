@@ -1021,6 +1021,11 @@ def cache_shapes(model, batch, length):
     return jax.eval_shape(functools.partial(build_cache, model), jax.ShapeDtypeStruct((batch, length), jnp.int32))
 
 
+def cache_bytes(model, batch, length):
+    import jax
+    return sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(cache_shapes(model, batch, length)))
+
+
 def cache_position_axes(model):
     """Each cache leaf's position axis, found by comparing abstract caches of two lengths."""
     import jax
@@ -1806,19 +1811,20 @@ class WarmUp:
         feed = lambda dtype, value=0: engine.feed(np.full(batch, value, dtype))  # noqa: E731
         sampling = [feed(int32), feed(np.float32), feed(int32, 1), feed(np.float32, 1), feed(np.uint32), feed(int32)]
         masks = engine.feed(np.full((batch, -(-engine.vocabulary_size // 32)), -1, int32))
-        calls = [(f"new cache batch {batch}", programs.new_cache, ())]
+        calls, chunks = [(f"new cache batch {batch}", programs.new_cache, ())], {}
         for window in engine.length_buckets:
             for steps in (DECODE_CHUNK, 1):
+                chunks[window, steps] = (values, cache, window, steps, masks if steps == 1 else None, feed(int32),
+                                         feed(int32), tables, *sampling)
                 calls.append((f"decode batch {batch} window {window} chunk {steps}", programs.decode,
-                              (values, cache, window, steps, masks if steps == 1 else None, feed(int32), feed(int32),
-                               tables, *sampling)))
+                              chunks[window, steps]))
             if programs.decode_long is not None:
                 calls.append((f"decode batch {batch} window {window} long", programs.decode_long,
                               (values, cache, window, LONGEST_CHUNK, feed(int32), feed(int32), feed(int32),
                                engine.feed(np.full(8, -1, int32), replicated=True),
                                engine.feed(int32(LONG_CHUNK), replicated=True), tables, *sampling)))
         if engine.dispatch_ahead:  # a chunk's input tokens, from the chunk before it still on the device
-            sampled = Output(*calls[1][1:], pick=lambda out: out[0][0])
+            sampled = Output(programs.decode, chunks[engine.length_buckets[0], DECODE_CHUNK], lambda out: out[0][0])
             calls.append((f"next tokens batch {batch}", programs.next_tokens,
                           (sampled, feed(bool), feed(int32))))
         for block in engine.prompt_blocks:
@@ -3847,7 +3853,7 @@ def auto_batch_size(model, args):
         log(f"--max-batch-size auto: {CPU_BATCH_SIZE} ({device.platform}: no device memory to fill)")
         return CPU_BATCH_SIZE
     # A row's KV cache over the longest request, split over the devices (by rows or by heads).
-    row = sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(cache_shapes(model, 1, args.length_buckets[-1])))
+    row = cache_bytes(model, 1, args.length_buckets[-1])
     row /= jax.device_count()
     pool = row / args.length_buckets[-1] * args.prefix_block_tokens * (args.prefix_cache_blocks + 1)
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0) - pool
@@ -3946,8 +3952,7 @@ def load(server):
             METRICS.prefix_used = engine.prefix.used
         server.memory.stage("adapters and pool")
         server.memory.held = [("weights", METRICS.weight_bytes)] + [
-            (f"KV cache batch {batch}", sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(
-                engine.cache_layout(batch)[0]))) for batch in engine.batch_buckets]
+            (f"KV cache batch {batch}", cache_bytes(model, batch, engine.max_length)) for batch in engine.batch_buckets]
         if engine.prefix is not None:
             server.memory.held.append(("prefix pool", engine.pool_bytes))
         if server.adapters is not None:
