@@ -15,8 +15,8 @@
 #          seconds at batch 1, 8 and 64, for bfloat16, then int8, then int4 (one 2B warm-up per batch: minutes)
 # Every stage writes its log unbuffered under $OUT as it goes, so a call cut short still reports, and
 # the stages share TPU_CHECK_SECONDS (default 540) of wall clock: what has no time left says so.
-# TPU_CHECK_BATCHES (serve's --batch-sizes, default 1,8,64) and TPU_CHECK_K (a pytest -k expression) make a
-# stage lighter. On a machine with the project's requirements it runs as is, e.g.
+# TPU_CHECK_BATCHES (serve's --batch-sizes, default 1,8,64), TPU_CHECK_K (a pytest -k expression),
+# TPU_CHECK_QUANTIZE and TPU_CHECK_BENCH_FLAGS (bench's, e.g. "--batches 1,64") make a stage lighter. On a machine with the project's requirements it runs as is, e.g.
 # `TPU_CHECK_CONFIG=tiny bash scripts/tpu_check.sh` (a small model, to try the script on a CPU first).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -114,6 +114,7 @@ for stage in $stages; do
     for q in ${TPU_CHECK_QUANTIZE:-none int8 int4}; do  # int4 last: a call cut short still has the first two
       flags=(--quantize "$q"); [ "$q" = none ] || flags+=(--steps 10)
       [ "$config" = tiny ] && flags+=(--config tiny)
+      flags+=(${TPU_CHECK_BENCH_FLAGS:-})  # e.g. "--batches 1,64 --skip-train" to fit a call
       run_stage "bench_$q" python3 scripts/tpu_check.py "${flags[@]}"
       grep -E "^(model|limit|train|generate|memory):" "$out/bench_$q.log" | tee -a "$summary"
     done
