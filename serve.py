@@ -61,6 +61,14 @@ TEMPLATES = {
 # Sampling looks at this many most-likely tokens: top_k is capped here and top_p is computed over them.
 CANDIDATES = 128
 TOP_LOGPROBS = 20  # most alternatives a request may ask log-probabilities for (OpenAI's limit)
+# The per-row arrays the decode programs take after the adapter slots: sample()'s, then adjust_logits'.
+SAMPLE_ARRAYS = ("temperature", "top_k", "top_p", "seeds", "alternatives")
+ADJUST_ARRAYS = ("prompt_lengths", "frequency", "presence", "repetition", "min_positions", "stop_ids", "bias_ids",
+                 "bias_values")
+BIAS_SLOTS = 300  # logit_bias entries a request may send (OpenAI's limit)
+MAX_STOP_TOKEN_IDS = 8  # stop_token_ids a request may send; with the model's own, STOP_SLOTS at most
+STOP_SLOTS = 16
+MAX_N = 16  # answers a request may ask for (n)
 DECODE_CHUNK = 4  # tokens decoded per dispatch to the device
 # ...and, when no request waits for a row, in the smallest batch (see decode_until_done), at least
 # LONG_CHUNK and at most LONGEST_CHUNK: as many as the last long dispatch says fit in LONG_CHUNK_SECONDS,
@@ -1015,10 +1023,17 @@ def build_cache(model, token_ids):
     return model._build_cache(token_ids)[1]
 
 
+def prompt_cache(model, token_ids):
+    """A batch's cache as the engine keeps it: (keras-hub's KV cache, the token at each position). The
+    tokens are what a row's penalties count (adjust_logits); kept as a cache leaf, every program that
+    copies, resizes, pools or windows the KV cache carries them along by the same position axis."""
+    return build_cache(model, token_ids), token_ids
+
+
 def cache_shapes(model, batch, length):
     import jax
     import jax.numpy as jnp
-    return jax.eval_shape(functools.partial(build_cache, model), jax.ShapeDtypeStruct((batch, length), jnp.int32))
+    return jax.eval_shape(functools.partial(prompt_cache, model), jax.ShapeDtypeStruct((batch, length), jnp.int32))
 
 
 def cache_bytes(model, batch, length):
@@ -1040,7 +1055,7 @@ def prefill(model, variables, adapters, values, token_ids, tables, slot):
     """A prompt block's cache (one row, block positions); positions past the prompt hold padding that
     decoding overwrites before any query can see it."""
     return run_stateless(variables, values, lambda: with_adapter(adapters, tables, slot,
-                                                                 lambda: build_cache(model, token_ids)))
+                                                                 lambda: prompt_cache(model, token_ids)))
 
 
 def prefill_group(model, variables, adapters, values, token_ids, tables, slots):
@@ -1063,9 +1078,13 @@ def prefill_after_prefix(model, variables, adapters, values, row_cache, token_id
     """The cache of a prompt whose first `start` positions are already in `row_cache` (copied from the
     prefix-cache pool): keras-hub's cached call writes the rest as one chunk at `start`, and its causal
     mask and RoPE follow that index. The logits are dropped, so XLA never computes them."""
+    import jax
+    kv, history = row_cache
+
     def run():
-        return cached_call(model, token_ids, row_cache, start)[2]
-    return run_stateless(variables, values, lambda: with_adapter(adapters, tables, slot, run))
+        return cached_call(model, token_ids, kv, start)[2]
+    kv = run_stateless(variables, values, lambda: with_adapter(adapters, tables, slot, run))
+    return kv, jax.lax.dynamic_update_slice_in_dim(history, token_ids, start, axis=1)
 
 
 def insert(axes, cache, row_cache, row):
@@ -1124,10 +1143,10 @@ def forward(model, variables, adapters, values, cache, tokens, positions, tables
     import jax
 
     def one_row(row_cache, token, position, slot):
-        row_cache = jax.tree.map(lambda c: c[None], row_cache)
-        logits, _, row_cache = with_adapter(adapters, tables, slot, lambda: cached_call(
-            model, token[None, None], row_cache, position))
-        return logits[0, 0], jax.tree.map(lambda c: c[0], row_cache)
+        kv, history = row_cache
+        kv = jax.tree.map(lambda c: c[None], kv)
+        logits, _, kv = with_adapter(adapters, tables, slot, lambda: cached_call(model, token[None, None], kv, position))
+        return logits[0, 0], (jax.tree.map(lambda c: c[0], kv), history.at[position].set(token))
     with local_attention_in_its_window(model):
         return run_stateless(variables, values, lambda: jax.vmap(one_row)(cache, tokens, positions, slots))
 
@@ -1185,6 +1204,37 @@ def sample_candidates(logits, positions, temperature, top_k, top_p, seeds):
     return token, (token_logprob, top_logprobs_all[:, :keep_top], top_ids[:, :keep_top])
 
 
+def adjust_logits(logits, at, history, prompt_lengths, frequency, presence, repetition, min_positions, stop_ids,
+                  bias_ids, bias_values):
+    """A row's logits for the token after position `at`, adjusted as vLLM's sampler does, in its order:
+    `logit_bias` added (bias_ids padded with ids past the vocabulary, which are dropped); the stop ids
+    masked while `at` < min_positions (min_tokens); repetition_penalty over every token the row has seen
+    (positive logits divided by it, negative ones multiplied); then OpenAI's frequency and presence
+    penalties over the tokens it has made: logit - frequency x count - presence x (count > 0). The counts
+    come from `history` (the token at each cache position): positions from prompt_lengths up to `at` are
+    made, those before are the prompt. Skipped (a cond) when no row asks for any of it."""
+    import jax
+    import jax.numpy as jnp
+    logits = logits.astype(jnp.float32)
+
+    def adjust(logits):
+        rows = jnp.arange(logits.shape[0])[:, None]
+        logits = logits.at[rows, bias_ids].add(bias_values, mode="drop")
+        banned = jnp.zeros(logits.shape, bool).at[rows, stop_ids].set(True, mode="drop")
+        logits = jnp.where(banned & (at < min_positions)[:, None], -jnp.inf, logits)
+        place = jnp.arange(history.shape[1])[None, :]
+        # One scatter counts both: a prompt token adds 1, a made one 1 << 16 (a window holds < 65,536).
+        weight = jnp.where(place > at[:, None], 0, jnp.where(place >= prompt_lengths[:, None], 1 << 16, 1))
+        counts = jnp.zeros(logits.shape, jnp.int32).at[rows, history].add(weight, mode="drop")
+        made = (counts >> 16).astype(jnp.float32)
+        penalty = repetition[:, None]
+        logits = jnp.where(counts > 0, jnp.where(logits > 0, logits / penalty, logits * penalty), logits)
+        return logits - frequency[:, None] * made - presence[:, None] * (made > 0)
+    wanted = ((bias_values != 0).any() | (at < min_positions).any() | (frequency != 0).any() | (presence != 0).any()
+              | (repetition != 1).any())
+    return jax.lax.cond(wanted, adjust, lambda logits: logits, logits)
+
+
 def apply_token_mask(logits, masks):
     """-inf for the tokens a row's grammar forbids: masks is llguidance's [batch, ceil(vocab/32)] int32
     bitmask, bit i of word w allowing token 32w + i (all ones for a free row)."""
@@ -1205,9 +1255,11 @@ def decode_steps(model, variables, adapters, unroll, values, view, window, offse
         view, tokens = carry
         at = jnp.minimum(positions + offset, window - 1)  # only idle rows get this far
         logits, view = forward(model, variables, adapters, values, view, tokens, at, tables, slots)
-        if masks is not None:
+        if len(sampling) > len(SAMPLE_ARRAYS):  # a test may call a step with sample()'s arrays alone
+            logits = adjust_logits(logits, at, view[1], *sampling[len(SAMPLE_ARRAYS):])
+        if masks is not None:  # last: a grammar's mask holds whatever the penalties and biases did
             logits = apply_token_mask(logits, masks)
-        tokens, logprobs = sample(logits, at, *sampling)
+        tokens, logprobs = sample(logits, at, *sampling[:len(SAMPLE_ARRAYS)])
         return (view, tokens), (tokens, logprobs)
     # `unroll`: XLA lays out the weights and the cache for its dots after it has looked for loop-invariant
     # code, so inside a loop it transposes the query/output kernels and copies each cache leaf on every
@@ -1633,7 +1685,12 @@ class Engine:
         (prefill_group), the largest of group_sizes that fits first. A prompt that shares its first block
         with an earlier one of these waits until that one is in the pool, and reuses it."""
         done, groups, after, firsts = {}, collections.defaultdict(list), [], set()
+        twins, copies = {}, []  # the n answers to one prompt: one prefill, its row copied into each
         for generation in generations:
+            twin = twins.setdefault((tuple(generation.prompt_ids), generation.slot), generation)
+            if twin is not generation:
+                copies.append((generation, twin))
+                continue
             keys = self.prefix_keys(generation)
             if keys and keys[0] in firsts:
                 after.append((generation, keys))
@@ -1664,6 +1721,8 @@ class Engine:
                     done[id(generation)] = row, 0
         for generation, keys in after:  # the blocks of the prompts above are in the pool now
             done[id(generation)] = self.prefill_row(generation, keys)
+        for generation, twin in copies:
+            done[id(generation)] = done[id(twin)]
         return [done[id(generation)] for generation in generations]
 
     def warm_up(self):
@@ -1809,7 +1868,7 @@ class WarmUp:
         engine, tables, values, int32 = self.engine, self.engine.lora_tables, self.engine.values, np.int32
         programs, cache = engine.programs[batch], abstract(*engine.cache_layout(batch))
         feed = lambda dtype, value=0: engine.feed(np.full(batch, value, dtype))  # noqa: E731
-        sampling = [feed(int32), feed(np.float32), feed(int32, 1), feed(np.float32, 1), feed(np.uint32), feed(int32)]
+        sampling = [feed(int32)] + [engine.feed(array) for array in RowSampling(batch).arrays()]  # slots first
         masks = engine.feed(np.full((batch, -(-engine.vocabulary_size // 32)), -1, int32))
         calls, chunks = [(f"new cache batch {batch}", programs.new_cache, ())], {}
         for window in engine.length_buckets:
@@ -1923,6 +1982,63 @@ def abstract(shapes, layout):
                         layout if layout is not None else jax.tree.map(lambda _: None, shapes))
 
 
+# ----------------------------------------------------------------------------- sampling state
+
+class RowSampling:
+    """Each row's sampling settings as the arrays the decode programs take (SAMPLE_ARRAYS, then
+    ADJUST_ARRAYS), for a DecodeBatch and for the warm-up that compiles its programs. A free row is
+    greedy with nothing to adjust: one left sampling or penalising would keep the rest of its batch off
+    the cheap paths (sample()'s argmax, adjust_logits' skipped cond)."""
+    NEVER = np.iinfo(np.int32).max  # an id past any vocabulary: adjust_logits' scatters drop it
+
+    def __init__(self, size):
+        self.temperature, self.top_p = np.zeros(size, np.float32), np.ones(size, np.float32)
+        self.top_k, self.seeds = np.full(size, CANDIDATES, np.int32), np.zeros(size, np.uint32)
+        self.alternatives = np.zeros(size, np.int32)  # top log-probabilities each row wants
+        self.prompt_lengths, self.min_positions = np.zeros(size, np.int32), np.zeros(size, np.int32)
+        self.frequency, self.presence = np.zeros(size, np.float32), np.zeros(size, np.float32)
+        self.repetition = np.ones(size, np.float32)
+        self.stop_ids = np.full((size, STOP_SLOTS), self.NEVER, np.int32)
+        self.bias_ids = np.full((size, BIAS_SLOTS), self.NEVER, np.int32)
+        self.bias_values = np.zeros((size, BIAS_SLOTS), np.float32)
+
+    def set(self, row, sampling, seed=0, logprobs=None, prompt_length=0, model_stop_ids=()):
+        """A row's settings: `sampling` as parse_sampling makes it (SAMPLER_DEFAULTS' keys at least);
+        the stop ids min_tokens holds back are the model's and the request's stop_token_ids."""
+        self.temperature[row], self.top_k[row], self.top_p[row] = (sampling["temperature"], sampling["top_k"],
+                                                                   sampling["top_p"])
+        self.seeds[row], self.alternatives[row] = seed, logprobs or 0
+        self.prompt_lengths[row] = prompt_length
+        self.frequency[row] = sampling.get("frequency_penalty", 0.0)
+        self.presence[row] = sampling.get("presence_penalty", 0.0)
+        self.repetition[row] = sampling.get("repetition_penalty", 1.0)
+        min_tokens = sampling.get("min_tokens", 0)
+        self.min_positions[row] = prompt_length - 1 + min_tokens if min_tokens else 0
+        stops = sorted(set(model_stop_ids) | set(sampling.get("stop_token_ids", ()))) if min_tokens else []
+        self.stop_ids[row] = self.NEVER
+        self.stop_ids[row, :len(stops)] = stops
+        bias = sampling.get("logit_bias") or {}
+        self.bias_ids[row], self.bias_values[row] = self.NEVER, 0
+        self.bias_ids[row, :len(bias)], self.bias_values[row, :len(bias)] = list(bias), list(bias.values())
+
+    def clear(self, row):
+        self.set(row, SAMPLER_DEFAULTS["greedy"])
+
+    def plain(self, row):
+        """Whether a row is greedy, wants no alternatives and adjusts nothing."""
+        return (self.temperature[row] <= 0 and self.alternatives[row] <= 0 and self.min_positions[row] == 0
+                and self.frequency[row] == 0 and self.presence[row] == 0 and self.repetition[row] == 1
+                and not self.bias_values[row].any())
+
+    def arrays(self):
+        return [getattr(self, name) for name in SAMPLE_ARRAYS + ADJUST_ARRAYS]
+
+    def take(self, other, kept):
+        """Row i's settings from `other`'s row kept[i]."""
+        for name in SAMPLE_ARRAYS + ADJUST_ARRAYS:
+            getattr(self, name)[:len(kept)] = getattr(other, name)[kept]
+
+
 class DecodeBatch:
     """`size` rows over one cache. Each row holds one generation at its own position; a row frees up
     the moment its generation ends and can take the next one. With Engine.dispatch_ahead (a GPU or TPU)
@@ -1937,14 +2053,9 @@ class DecodeBatch:
         self.positions = np.zeros(size, np.int32)  # where each row's next input token goes
         self.tokens = np.full(size, engine.pad, np.int32)
         self.stale = np.zeros(size, bool)  # rows whose next input token is still on the device (see `pending`)
-        greedy = SAMPLER_DEFAULTS["greedy"]
-        self.temperature = np.full(size, greedy["temperature"], np.float32)
-        self.top_k = np.full(size, greedy["top_k"], np.int32)
-        self.top_p = np.full(size, greedy["top_p"], np.float32)
-        self.seeds = np.zeros(size, np.uint32)
-        self.alternatives = np.zeros(size, np.int32)  # top log-probabilities each row wants
+        self.sampler = RowSampling(size)
         self.slots = np.zeros(size, np.int32)  # each row's adapter slot (0: the base alone)
-        self.sampling = None  # the arrays above on the device; re-sent when a row changes hands
+        self.sampling = None  # the slots and the sampler's arrays on the device; re-sent when a row changes hands
         self.masks = np.full((size, -(-engine.vocabulary_size // 32)), -1, np.int32)  # grammar bitmasks
         self.masked_rows = False  # whether `masks` still holds a grammar's mask
         # A streamed request's first token is sent after the step that samples it: the dispatch after it is
@@ -1999,15 +2110,10 @@ class DecodeBatch:
             self.cache = self.insert(self.cache, row_cache, np.int32(row))
             ids = generation.prompt_ids
             self.positions[row], self.tokens[row], self.stale[row] = len(ids) - 1, ids[-1], False
-            self.set_sampling(row, generation.sampling, generation.seed, generation.logprobs)
+            self.sampler.set(row, generation.sampling, generation.seed, generation.logprobs, len(ids),
+                             self.engine.stop_ids)
+            self.sampling = None
             self.first_token_due |= generation.events is not None
-
-    def set_sampling(self, row, sampling, seed=0, logprobs=None):
-        """A row's sampling settings and the alternatives it wants, sent with the next step."""
-        self.temperature[row], self.top_k[row], self.top_p[row] = (sampling["temperature"], sampling["top_k"],
-                                                                   sampling["top_p"])
-        self.seeds[row], self.alternatives[row] = seed, logprobs or 0
-        self.sampling = None
 
     def fill_masks(self):
         """Each grammar row's mask for its next token (llguidance, on the host); False when no row has a
@@ -2059,12 +2165,11 @@ class DecodeBatch:
             steps = 1
         self.first_token_due = False
         busy = [(row, g) for row, g in enumerate(self.rows) if g is not None]
-        for row in self.ending_rows():  # what this chunk makes there is dropped: let it not cost the argmax path
-            if self.temperature[row] > 0 or self.alternatives[row] > 0:
-                self.set_sampling(row, SAMPLER_DEFAULTS["greedy"])
+        for row in self.ending_rows():  # what this chunk makes there is dropped: let it not cost the cheap paths
+            if not self.sampler.plain(row):
+                self.vacate_settings(row)
         if self.sampling is None:
-            self.sampling = [engine.feed(a) for a in (self.slots, self.temperature, self.top_k, self.top_p, self.seeds,
-                                                      self.alternatives)]
+            self.sampling = [engine.feed(a) for a in (self.slots, *self.sampler.arrays())]
         if window is None:
             window = engine.window_for(max((self.positions[row] for row, _ in busy), default=0) + steps)
         tokens = engine.feed(self.tokens)
@@ -2134,10 +2239,13 @@ class DecodeBatch:
                 self.vacate(row)
 
     def vacate(self, row):
-        """Frees a row. Its sampling settings go back to greedy with no alternatives: a free row still
-        decodes, and one left sampling would keep the rest of a greedy batch off sample()'s argmax path."""
+        """Frees a row; a free row still decodes, with plain settings (RowSampling.clear)."""
         self.rows[row] = None
-        self.set_sampling(row, SAMPLER_DEFAULTS["greedy"])
+        self.vacate_settings(row)
+
+    def vacate_settings(self, row):
+        self.sampler.clear(row)
+        self.sampling = None
 
     def fail(self, reason):
         self.pending = None
@@ -2168,9 +2276,9 @@ class DecodeBatch:
         index = np.array(kept + [0] * (size - len(kept)), np.int32)
         new.cache = self.engine.programs[self.size].resize[size](self.cache, index)
         self.cache = None  # this batch is done: its cache's memory may go before the next copy
-        for name in ("positions", "tokens", "temperature", "top_k", "top_p", "seeds", "alternatives", "slots",
-                     "masks"):
+        for name in ("positions", "tokens", "slots", "masks"):
             getattr(new, name)[:len(kept)] = getattr(self, name)[kept]
+        new.sampler.take(self.sampler, kept)
         new.rows[:len(kept)] = [self.rows[row] for row in kept]
         new.masked_rows, new.first_token_due, new.taken = self.masked_rows, self.first_token_due, self.taken
         return new
@@ -2188,6 +2296,11 @@ class Generation:
         # `releases` hand back what it holds (its adapter slot, its prefix-cache blocks) when it ends.
         self.adapter, self.slot, self.releases = None, 0, []
         self.cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
+        self.shares_prompt = False  # one of n answers after the first: usage counts its prompt once
+        self.stop_ids = set(sampling.get("stop_token_ids", ()))  # the request's, besides the model's (ignore_eos: not those)
+        self.ignore_eos = sampling.get("ignore_eos", False)
+        self.min_tokens = sampling.get("min_tokens", 0)
+        self.stops_from = 0  # where stop strings are looked for: text made before min_tokens does not count
         self.matcher = None  # an llguidance.LLMatcher when the output must follow a grammar
         self.model = None  # the name it was asked for, for per-model metrics
         self.stop, self.events, self.index = stop, events, index
@@ -2203,7 +2316,7 @@ class Generation:
     def accept(self, token, engine, alternatives=None):
         """Takes one generated token (and, when asked for, its log-probabilities: (logprob, top logprobs,
         top ids)); returns True when this generation has finished."""
-        if token in engine.stop_ids:
+        if token in self.stop_ids or (token in engine.stop_ids and not self.ignore_eos):
             return self.finish("stop", engine)
         if self.matcher is not None:
             self.matcher.consume_token(token)
@@ -2214,8 +2327,10 @@ class Generation:
             self.token_logprobs.append((token, float(logprob), top))
         if self.follows_text:
             self.text = engine.decode(self.ids)
-        for stop in self.stop:
-            at = self.text.find(stop)
+        if len(self.ids) < self.min_tokens:
+            self.stops_from = len(self.text)
+        for stop in self.stop if len(self.ids) >= self.min_tokens else ():
+            at = self.text.find(stop, max(self.stops_from - len(stop) + 1, 0))  # it may end after min_tokens
             if at >= 0:
                 self.text = self.text[:at]
                 return self.finish("stop", engine)
@@ -2530,7 +2645,7 @@ def completions(server, req):
     if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
         raise RequestError(400, "'prompt' must be a string or a non-empty list of strings")
     engine = ready_engine(server)
-    check_n(body)
+    n = parse_n(body)
     if body.get("echo"):
         raise RequestError(400, "'echo' is not supported")
     logprobs = body.get("logprobs")
@@ -2552,15 +2667,15 @@ def completions(server, req):
             return [base | {"choices": [{"text": text, "index": index, "logprobs": rendered,
                                          "finish_reason": reason}]}]
         gens = start_generations(server, req, prompts, body, default_max_tokens=16, events=events, logprobs=logprobs,
-                                 grammar=matcher)
+                                 grammar=matcher, n=n)
         return Reply(stream=stream_events(gens, events, render, last=(lambda: base | {"choices": [], "usage": usage(
             gens)}) if include_usage else None))
     gens = wait_for(start_generations(server, req, prompts, body, default_max_tokens=16, logprobs=logprobs,
-                                      grammar=matcher), req)
+                                      grammar=matcher, n=n), req)
     return Reply(payload=base | {
-        "choices": [{"text": g.text, "index": i, "finish_reason": g.finish_reason,
+        "choices": [{"text": g.text, "index": g.index, "finish_reason": g.finish_reason,
                      "logprobs": None if logprobs is None else completion_logprobs(engine, kept_logprobs(g, engine))}
-                    for i, g in enumerate(gens)],
+                    for g in gens],
         "usage": usage(gens)})
 
 
@@ -2569,7 +2684,7 @@ def chat_completions(server, req):
     engine = ready_engine(server)
     if body.get("functions"):
         raise RequestError(400, "'functions' is not supported: send 'tools' with 'tool_choice'")
-    check_n(body)
+    n = parse_n(body)
     model, _, template = pick_model(server, body)
     tools = requested_tools(body)
     grammar = requested_grammar(body)
@@ -2598,38 +2713,39 @@ def chat_completions(server, req):
             "model": model}
     start = functools.partial(start_generations, server, req, [prompt], body, default_max_tokens=None, logprobs=keep,
                               extra_stop=template_stop(engine, template), max_tokens_field=max_tokens_field,
-                              grammar=matcher)
+                              grammar=matcher, n=n)
     if stream:
         base["object"] = "chat.completion.chunk"
-        events, said = queue.Queue(), []
+        events, said = queue.Queue(), collections.defaultdict(list)
 
-        def chunk(delta, reason=None, entries=None):
+        def chunk(index, delta, reason=None, entries=None):
             content = {"content": chat_logprobs(engine, entries)} if keep is not None and entries else None
-            return base | {"choices": [{"index": 0, "delta": delta, "logprobs": content, "finish_reason": reason}]}
+            return base | {"choices": [{"index": index, "delta": delta, "logprobs": content, "finish_reason": reason}]}
 
         def render(index, text, reason, entries):
             if tools is not None:  # a call is sent whole once complete, as OpenAI's tool_calls delta
-                said.append(text)
+                said[index].append(text)
                 if not reason:
                     return []
-                message, reason = tool_call_message("".join(said), reason)
+                message, reason = tool_call_message("".join(said[index]), reason)
                 delta = {"tool_calls": [dict(c, index=i) for i, c in enumerate(message["tool_calls"])]} \
                     if message.get("tool_calls") else {"content": message["content"]}
-                return [chunk(delta, entries=entries), chunk({}, reason)]
-            pieces = [chunk({"content": text}, entries=entries)] if text or entries else []
-            return pieces + ([chunk({}, reason)] if reason else [])
+                return [chunk(index, delta, entries=entries), chunk(index, {}, reason)]
+            pieces = [chunk(index, {"content": text}, entries=entries)] if text or entries else []
+            return pieces + ([chunk(index, {}, reason)] if reason else [])
         gens = start(events=events)
-        return Reply(stream=stream_events(gens, events, render, first=chunk({"role": "assistant", "content": ""}),
+        return Reply(stream=stream_events(gens, events, render,
+                                          first=[chunk(i, {"role": "assistant", "content": ""}) for i in range(n)],
                                           last=(lambda: base | {"choices": [], "usage": usage(gens)})
                                           if include_usage else None))
-    [g] = wait_for(start(), req)
-    message, reason = ({"role": "assistant", "content": g.text}, g.finish_reason) if tools is None else \
-        tool_call_message(g.text, g.finish_reason)
-    return Reply(payload=base | {
-        "choices": [{"index": 0, "message": message,
-                     "logprobs": None if keep is None else {"content": chat_logprobs(engine, kept_logprobs(g, engine))},
-                     "finish_reason": reason}],
-        "usage": usage([g])})
+    gens = wait_for(start(), req)
+    choices = []
+    for g in gens:
+        message, reason = ({"role": "assistant", "content": g.text}, g.finish_reason) if tools is None else \
+            tool_call_message(g.text, g.finish_reason)
+        choices.append({"index": g.index, "message": message, "finish_reason": reason, "logprobs": None if keep is None
+                        else {"content": chat_logprobs(engine, kept_logprobs(g, engine))}})
+    return Reply(payload=base | {"choices": choices, "usage": usage(gens)})
 
 
 def tokenize(server, req):
@@ -2697,7 +2813,22 @@ _SAMPLING = {"temperature": {"type": "number", "minimum": 0, "maximum": 2},
              "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
              "top_k": {"type": "integer", "minimum": -1}, "seed": _INT,
              "stop": {"oneOf": [_STR, {"type": "array", "items": _STR, "maxItems": 4}, {"type": "null"}]},
-             "max_tokens": {"type": "integer", "minimum": 1}, "model": _STR}
+             "max_tokens": {"type": "integer", "minimum": 1}, "model": _STR,
+             "frequency_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2},
+             "presence_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2},
+             "repetition_penalty": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 2,
+                                    "description": "vLLM's and Hugging Face's, over prompt and output tokens"},
+             "logit_bias": {"type": ["object", "null"], "maxProperties": BIAS_SLOTS,
+                            "propertyNames": {"pattern": "^[0-9]+$"},
+                            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
+             "min_tokens": {"type": ["integer", "null"], "minimum": 0,
+                            "description": "vLLM's: stop tokens and stop strings held back until this many tokens"},
+             "stop_token_ids": {"type": ["array", "null"], "items": {"type": "integer", "minimum": 0},
+                                "maxItems": MAX_STOP_TOKEN_IDS},
+             "ignore_eos": {"type": ["boolean", "null"], "description": "vLLM's: go on past the model's end tokens"}}
+_N = {"n": {"type": ["integer", "null"], "minimum": 1, "maximum": MAX_N,
+            "description": "answers to each prompt, at indexes i * n + j; usage counts a prompt once"},
+      "best_of": {"enum": [1, None]}}
 _USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
           "properties": {"prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT,
                          "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": _INT}}}}
@@ -2760,8 +2891,7 @@ OPENAPI = {
             {"type": "object", "required": ["prompt"], "properties": {
                 "prompt": {"oneOf": [_STR, {"type": "array", "items": _STR, "minItems": 1}]},
                 "stream": _BOOL, "stream_options": {"type": ["object", "null"], "properties": {"include_usage": _BOOL}},
-                "n": {"const": 1}, "logprobs": {"type": ["integer", "null"], "minimum": 0,
-                                                                 "maximum": 5},
+                **_N, "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": 5},
                 "echo": {"const": False}, **_STRUCTURED, **_SAMPLING}},
             stream=True)},
         "/v1/chat/completions": {"post": _operation(
@@ -2781,8 +2911,7 @@ OPENAPI = {
                 "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
                 "max_completion_tokens": {"type": "integer", "minimum": 1}, "stream": _BOOL,
                 "stream_options": {"type": ["object", "null"], "properties": {"include_usage": _BOOL}},
-                "n": {"const": 1}, "logprobs": _BOOL, "top_logprobs": {"type": "integer", "minimum": 0,
-                                                                       "maximum": TOP_LOGPROBS},
+                **_N, "logprobs": _BOOL, "top_logprobs": {"type": "integer", "minimum": 0, "maximum": TOP_LOGPROBS},
                 "tools": {"type": "array", "items": {"type": "object", "required": ["type", "function"], "properties": {
                     "type": {"const": "function"}, "function": {"type": "object", "required": ["name"], "properties": {
                         "name": _STR, "description": _STR, "parameters": {"type": "object"}}}}}},
@@ -2842,9 +2971,15 @@ def ready_engine(server):
     return server.engine
 
 
-def check_n(body):
-    if body.get("n", 1) != 1:
-        raise RequestError(400, "only n=1 is supported")
+def parse_n(body):
+    n = body.get("n")
+    if body.get("best_of") not in (None, 1):
+        raise RequestError(400, "'best_of' is not supported: ask for 'n' answers and pick among them")
+    if n is None:
+        return 1
+    if not is_int(n) or not 1 <= n <= MAX_N:
+        raise RequestError(400, f"'n' must be an integer from 1 to {MAX_N}")
+    return n
 
 
 def parse_stream(body):
@@ -3042,8 +3177,9 @@ def completion_logprobs(engine, entries, offset=0):
 
 def usage(gens):
     """OpenAI's usage, with the prompt tokens served from the prefix cache as prompt_tokens_details."""
-    prompt_tokens, completion_tokens = sum(len(g.prompt_ids) - 1 for g in gens), sum(len(g.ids) for g in gens)
-    cached = sum(max(g.cached_tokens - 1, 0) for g in gens)  # <bos> is not a prompt token here either
+    prompts = [g for g in gens if not g.shares_prompt]  # n answers to one prompt count it once
+    prompt_tokens, completion_tokens = sum(len(g.prompt_ids) - 1 for g in prompts), sum(len(g.ids) for g in gens)
+    cached = sum(max(g.cached_tokens - 1, 0) for g in prompts)  # <bos> is not a prompt token here either
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
 
@@ -3076,13 +3212,62 @@ def parse_sampling(body, sampler, server):
         stop = [stop]
     if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
         raise RequestError(400, "'stop' must be a string or a list of up to 4 non-empty strings")
+    sampling.update(parse_adjustments(body, server.engine.vocabulary_size))
     return sampling, seed % 2**32, stop
 
 
+def parse_adjustments(body, vocabulary_size):
+    """The fields adjust_logits applies (penalties, logit_bias, min_tokens) and the stop-token ones, as
+    OpenAI and vLLM define them; each bad value is a 400 naming its field."""
+    found = {}
+    for field in ("frequency_penalty", "presence_penalty"):
+        value = body.get(field)
+        if value is not None:
+            if not is_number(value) or not -2 <= value <= 2:
+                raise RequestError(400, f"'{field}' must be a number from -2 to 2")
+            found[field] = float(value)
+    value = body.get("repetition_penalty")
+    if value is not None:
+        if not is_number(value) or not 0 < value <= 2:
+            raise RequestError(400, "'repetition_penalty' must be a number in (0, 2]")
+        found["repetition_penalty"] = float(value)
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict) or len(bias) > BIAS_SLOTS:
+            raise RequestError(400, f"'logit_bias' must be an object of up to {BIAS_SLOTS} token ids to numbers")
+        found["logit_bias"] = {}
+        for key, value in bias.items():
+            token = int(key) if isinstance(key, str) and key.isdigit() else None
+            if token is None or token >= vocabulary_size:
+                raise RequestError(400, f"'logit_bias' has {key!r}, not a token id from 0 to {vocabulary_size - 1}")
+            if not is_number(value) or not -100 <= value <= 100:
+                raise RequestError(400, f"'logit_bias' of token {key} must be a number from -100 to 100")
+            found["logit_bias"][token] = float(value)
+    value = body.get("min_tokens")
+    if value is not None:
+        if not is_int(value) or value < 0:
+            raise RequestError(400, "'min_tokens' must be a non-negative integer")
+        found["min_tokens"] = value
+    ids = body.get("stop_token_ids")
+    if ids is not None:
+        if (not isinstance(ids, list) or len(ids) > MAX_STOP_TOKEN_IDS
+                or not all(is_int(i) and 0 <= i < vocabulary_size for i in ids)):
+            raise RequestError(400, f"'stop_token_ids' must be a list of up to {MAX_STOP_TOKEN_IDS} token ids from 0 to "
+                                    f"{vocabulary_size - 1}")
+        found["stop_token_ids"] = list(ids)
+    value = body.get("ignore_eos")
+    if value is not None:
+        if not isinstance(value, bool):
+            raise RequestError(400, "'ignore_eos' must be a boolean")
+        found["ignore_eos"] = value
+    return found
+
+
 def start_generations(server, req, prompts, body, default_max_tokens, events=None, logprobs=None, extra_stop=(),
-                      max_tokens_field="max_tokens", grammar=None):
-    """Validates the generation fields and queues one Generation per prompt (503 when the queue is full).
-    default_max_tokens None means as many as fit; `grammar` (a compiled LLMatcher) constrains each one."""
+                      max_tokens_field="max_tokens", grammar=None, n=1):
+    """Validates the generation fields and queues `n` Generations per prompt (503 when the queue is full),
+    answer j of prompt i at index i * n + j, seeded seed + index. default_max_tokens None means as many as
+    fit; `grammar` (a compiled LLMatcher) constrains each one."""
     engine = ready_engine(server)
     args = server.args
     model = pick_model(server, body)[0]
@@ -3102,8 +3287,14 @@ def start_generations(server, req, prompts, body, default_max_tokens, events=Non
             raise RequestError(400, f"prompt ({len(prompt_ids)} tokens) + {max_tokens_field} ({wanted}) exceeds the "
                                     f"longest sequence this server compiled ({largest}); shorten the prompt "
                                     f"or {max_tokens_field}, or start the server with larger --length-buckets")
-        gens.append(Generation(prompt_ids, wanted, sampling, (seed + i) % 2**32, stop + list(extra_stop), events, i,
-                               logprobs))
+        if sampling.get("min_tokens", 0) > wanted:
+            raise RequestError(400, f"'min_tokens' ({sampling['min_tokens']}) must not exceed {max_tokens_field} "
+                                    f"({wanted})")
+        for j in range(n):
+            index = i * n + j
+            gens.append(Generation(prompt_ids, wanted, sampling, (seed + index) % 2**32, stop + list(extra_stop),
+                                   events, index, logprobs))
+            gens[-1].shares_prompt = j > 0
     for g in gens:
         g.model = model
         if grammar is not None:
@@ -3297,14 +3488,14 @@ def wait_for(gens, req):
     return gens
 
 
-def stream_events(gens, events, render, first=None, last=None):
-    """Server-sent events: `first`, then what render(index, text, finish_reason, logprob entries) makes
-    of each piece, then last() and `data: [DONE]`. Closing the stream cancels what is left."""
+def stream_events(gens, events, render, first=(), last=None):
+    """Server-sent events: the payloads in `first`, then what render(index, text, finish_reason, logprob
+    entries) makes of each piece, then last() and `data: [DONE]`. Closing the stream cancels what is left."""
     def sse(payload):
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
     try:
-        if first is not None:
-            yield sse(first)
+        for payload in first:
+            yield sse(payload)
         finished = 0
         while finished < len(gens):
             index, text, reason, entries = events.get()
@@ -3868,10 +4059,10 @@ def auto_batch_size(model, args):
 def fitting_batch_size(free_bytes, row_bytes, vocabulary, headroom=0.15, cap=AUTO_BATCH_CAP):
     """(the largest power of two up to `cap` whose decoding fits `free_bytes`, the bytes the next size up
     would need). Decoding batch b holds its cache and, while it grows in place, the next smaller one's
-    (1.5 caches), and per row a step's float32 logits with the sampler's copies of them (3 x vocabulary x
-    4 bytes); `headroom` of the free memory is left for XLA's other temporaries."""
+    (1.5 caches), and per row a step's float32 logits with the sampler's copies of them and the penalties'
+    counts (6 x vocabulary x 4 bytes); `headroom` of the free memory is left for XLA's other temporaries."""
     def need(batch):
-        return 1.5 * batch * row_bytes + 3 * 4 * batch * vocabulary
+        return 1.5 * batch * row_bytes + 6 * 4 * batch * vocabulary
     size = 1
     while size * 2 <= cap and need(size * 2) <= (1 - headroom) * free_bytes:
         size *= 2

@@ -157,7 +157,7 @@ def test_completions_legacy_logprobs(server):
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "'role'"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "text content"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "'content'"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2}, "n=1"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 17}, "'n' must be"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
      "'tools' must be"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],

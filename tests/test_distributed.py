@@ -70,7 +70,7 @@ def test_batch_that_does_not_divide_the_batch_axis_is_a_clear_error(tmp_path, ti
 
 
 PROMPTS = ["Instruction:\nWhat is 2 plus 2?\n\nResponse:\n", "Instruction:\nName a river.\n\nResponse:\n",
-           "Hello there", "Instruction:\nSpell 'pear' backwards.\n\nResponse:\n"]
+           "Hello there", "Instruction:\nSpell 'pear' backwards.\n\nResponse:\n", "Hi", "Good day"]
 
 
 def completions(server):
@@ -97,10 +97,12 @@ def test_serving_on_a_mesh_answers_like_one_device(runs, start_server):
         compiled = server.metric("serve_compilations_total")
         assert completions(server) == expected, extra
         # Concurrent requests share a batch, joining and leaving its rows, still without compiling.
-        greedy = [{"prompt": p, "max_tokens": n, "temperature": 0} for p in PROMPTS for n in (3, 12)]
+        # Different prompts: the same one twice is prefilled once, not as a group; the short ones (no full
+        # block in the prefix cache) are grouped when they arrive together.
+        greedy = [{"prompt": p, "max_tokens": n, "temperature": 0} for n in (3, 12) for p in PROMPTS]
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             answers = list(pool.map(lambda body: http("POST", server.url + "/", body)[1]["completion"], greedy))
-        assert answers[1::2] == expected[0::2], extra
+        assert answers[len(PROMPTS):] == expected[0::2], extra
         assert server.metric("serve_compilations_total") == compiled, extra
         assert server.metric("serve_prefill_groups_total") > 0, extra  # requests admitted together
         assert "distribution:" in server.output()

@@ -157,8 +157,9 @@ def test_gemma_1_and_2_decode_over_a_cache_per_layer_as_keras_hub_computes_the_s
         vocabulary_size=64, num_layers=4, num_query_heads=2, num_key_value_heads=1, hidden_dim=16, intermediate_dim=32,
         head_dim=8, dtype="float32", **(gemma2 if family == "gemma2" else {}))
     model = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
-    shapes = serve.cache_shapes(model, 2, 16)
+    shapes, tokens = serve.cache_shapes(model, 2, 16)
     assert isinstance(shapes, tuple) and [s.shape for s in shapes] == [(2, 2, 16, 1, 8)] * 4
+    assert tokens.shape == (2, 16)  # the token at each position, beside the cache (for penalties)
     decode_row_by_row_against_the_whole_sequence(model)
 
 
