@@ -1502,7 +1502,8 @@ class Engine:
         self.group_sizes = [g for g in PREFILL_GROUPS if g <= batch_buckets[-1]]
         self.group_blocks = [b for b in self.prompt_blocks if b <= GROUP_BLOCK]
         # What requests may use: WarmUp narrows these while it compiles and widens them part by part.
-        self.ready_batches, self.grouping = list(batch_buckets), bool(self.group_sizes)
+        # `chunked`: the smallest batch's multi-token decodes exist (until then it decodes a token a step).
+        self.ready_batches, self.grouping, self.chunked = list(batch_buckets), bool(self.group_sizes), True
         # A lone request decodes in the smallest batch, where the per-dispatch cost weighs most: that batch
         # size also gets decode_until_done's long chunks (one more program per window to compile).
         self.programs = {batch: self.batch_programs(batch, long=batch == batch_buckets[0]) for batch in batch_buckets}
@@ -1771,10 +1772,13 @@ class WarmUp:
     size; with a prefix cache, per window a gather and a prefill after each prefix length that fits,
     per block a pool write; with adapters, the slot update.
 
-    first() compiles what the smallest batch needs and runs each of those programs once: the server can
-    answer after it. rest() compiles the other parts, each taking effect in the Engine only once all its
-    programs exist (a batch size in batch_for, the prefix cache, grouped prefills), so a request is
-    never routed to a program that is not compiled; the server runs it on a background thread."""
+    first() compiles what the smallest batch needs to answer, a token a step (its one-token decodes,
+    inserts and prefills), and runs each of those programs once: the server can answer after it. rest()
+    compiles the other parts, each taking effect in the Engine only once all its programs exist (the
+    smallest batch's multi-token decodes, a batch size in batch_for, the prefix cache, grouped prefills),
+    so a request is never routed to a program that is not compiled; the server runs it on a background
+    thread. The multi-token decodes are the slowest programs to compile (unrolled, or a loop of chunks):
+    left out of first(), they no longer hold back the first answer."""
 
     def __init__(self, engine, threads=None):
         self.engine = engine
@@ -1786,7 +1790,7 @@ class WarmUp:
         self.prefills = {block: Output(engine._prefill, (engine.values, engine.tokens([[engine.bos]], block),
                                                          engine.lora_tables, np.int32(0)))
                          for block in engine.prompt_blocks}
-        self.lowered = {}
+        self.lowered, self.decodes = {}, {}
 
     def run(self):
         """Everything, in this thread."""
@@ -1796,15 +1800,13 @@ class WarmUp:
     def first(self):
         engine, started = self.engine, time.time()
         smallest = engine.batch_buckets[0]
-        engine.ready_batches, engine.grouping, engine.prefix = [smallest], False, None
-        self.pending = self.parts()[1:]
-        self.compile(self.prefill_calls() + self.batch_calls(smallest))
+        engine.ready_batches, engine.grouping, engine.prefix, engine.chunked = [smallest], False, None, False
+        self.pending = self.parts()
+        self.compile(self.prefill_calls() + self.batch_calls(smallest, chunks=False))
         self.decode(smallest)
         log(f"warm-up: batch {smallest}: compiled decode over windows {','.join(map(str, engine.length_buckets))}"
             f" and prompt blocks {','.join(map(str, engine.prompt_blocks))} in {time.time() - started:.1f}s"
-            f" ({len(self.compiled)} programs on {self.threads} threads; chunks of {DECODE_CHUNK} and 1"
-            f"{f' and up to {LONGEST_CHUNK}' if engine.programs[smallest].decode_long else ''} tokens"
-            f"{', unrolled' if engine.unroll else ''}{', dispatched ahead' if engine.dispatch_ahead else ''})"
+            f" ({len(self.compiled)} programs on {self.threads} threads, a token a step for now)"
             f"{'; still to compile: ' + ', '.join(self.pending) if self.pending else ''}")
         self.adapter_slots()
 
@@ -1812,16 +1814,19 @@ class WarmUp:
         """The parts in the order they are compiled and take effect: batch sizes in increasing order (a batch
         grows through each size on its way), then the prefix cache, then grouped prefills."""
         engine = self.engine
-        return ([f"batch {batch}" for batch in engine.batch_buckets] + (["prefix cache"] if self.prefix else [])
-                + (["grouped prefills"] if engine.group_sizes else []))
+        return ([f"chunks batch {engine.batch_buckets[0]}"] + [f"batch {batch}" for batch in engine.batch_buckets[1:]]
+                + (["prefix cache"] if self.prefix else []) + (["grouped prefills"] if engine.group_sizes else []))
 
     def rest(self):
         engine, started = self.engine, time.time()
+        smallest = engine.batch_buckets[0]
         work = {f"batch {batch}": functools.partial(self.batch_calls, batch) for batch in engine.batch_buckets}
-        work.update({"prefix cache": self.prefix_calls, "grouped prefills": self.group_calls})
+        work.update({f"chunks batch {smallest}": functools.partial(self.chunk_calls, smallest),
+                     "prefix cache": self.prefix_calls, "grouped prefills": self.group_calls})
         effects = {f"batch {batch}": functools.partial(engine.ready_batches.append, batch)
                    for batch in engine.batch_buckets}
-        effects.update({"prefix cache": lambda: setattr(engine, "prefix", self.prefix),
+        effects.update({f"chunks batch {smallest}": lambda: setattr(engine, "chunked", True),
+                        "prefix cache": lambda: setattr(engine, "prefix", self.prefix),
                         "grouped prefills": lambda: setattr(engine, "grouping", True)})
         from concurrent.futures import ThreadPoolExecutor
 
@@ -1854,38 +1859,61 @@ class WarmUp:
         if part == "grouped prefills":
             return (f"prefills of {','.join(map(str, engine.group_sizes))} prompts at once in blocks "
                     f"{','.join(map(str, engine.group_blocks))}")
+        if part.startswith("chunks"):
+            smallest = engine.batch_buckets[0]
+            return (f"batch {smallest}'s decodes of {DECODE_CHUNK}"
+                    f"{f' and up to {LONGEST_CHUNK}' if engine.programs[smallest].decode_long else ''} tokens a "
+                    f"dispatch{', unrolled' if engine.unroll else ''}"
+                    f"{', dispatched ahead' if engine.dispatch_ahead else ''}")
         return part + " (decode, inserts, the copies to and from the next smaller size)"
 
     def prefill_calls(self):
         """(name, jitted program, arguments) of a lone prompt's prefill, per block."""
         return [(f"prefill block {block}", *self.prefills[block][:2]) for block in self.engine.prompt_blocks]
 
-    def batch_calls(self, batch):
-        """The programs of one batch size, with the arguments its DecodeBatch passes them (its cache as an
-        abstract shape and layout: lowering reads no values), and the copies between it and the next
-        smaller size, both ways."""
-        import jax
-        engine, tables, values, int32 = self.engine, self.engine.lora_tables, self.engine.values, np.int32
-        programs, cache = engine.programs[batch], abstract(*engine.cache_layout(batch))
-        feed = lambda dtype, value=0: engine.feed(np.full(batch, value, dtype))  # noqa: E731
-        sampling = [feed(int32)] + [engine.feed(array) for array in RowSampling(batch).arrays()]  # slots first
-        masks = engine.feed(np.full((batch, -(-engine.vocabulary_size // 32)), -1, int32))
-        calls, chunks = [(f"new cache batch {batch}", programs.new_cache, ())], {}
-        for window in engine.length_buckets:
-            for steps in (DECODE_CHUNK, 1):
-                chunks[window, steps] = (values, cache, window, steps, masks if steps == 1 else None, feed(int32),
-                                         feed(int32), tables, *sampling)
-                calls.append((f"decode batch {batch} window {window} chunk {steps}", programs.decode,
-                              chunks[window, steps]))
-            if programs.decode_long is not None:
-                calls.append((f"decode batch {batch} window {window} long", programs.decode_long,
-                              (values, cache, window, LONGEST_CHUNK, feed(int32), feed(int32), feed(int32),
-                               engine.feed(np.full(8, -1, int32), replicated=True),
-                               engine.feed(int32(LONG_CHUNK), replicated=True), tables, *sampling)))
+    def decode_args(self, batch, window, steps):
+        """A decode program's arguments as its DecodeBatch passes them (the cache as an abstract shape and
+        layout: lowering reads no values), one object per (batch, window, steps)."""
+        if (batch, window, steps) not in self.decodes:
+            engine, int32 = self.engine, np.int32
+            feed = lambda dtype: engine.feed(np.zeros(batch, dtype))  # noqa: E731
+            sampling = [feed(int32)] + [engine.feed(array) for array in RowSampling(batch).arrays()]  # slots first
+            masks = engine.feed(np.full((batch, -(-engine.vocabulary_size // 32)), -1, int32)) if steps == 1 else None
+            cache = abstract(*engine.cache_layout(batch))
+            if steps == LONGEST_CHUNK:
+                inputs = (feed(int32), feed(int32), feed(int32), engine.feed(np.full(8, -1, int32), replicated=True),
+                          engine.feed(int32(LONG_CHUNK), replicated=True))
+            else:
+                inputs = (masks, feed(int32), feed(int32))
+            self.decodes[batch, window, steps] = (engine.values, cache, window, steps, *inputs, engine.lora_tables,
+                                                  *sampling)
+        return self.decodes[batch, window, steps]
+
+    def chunk_calls(self, batch):
+        """A batch size's multi-token decodes: DECODE_CHUNK tokens (and in the smallest batch up to
+        LONGEST_CHUNK) a dispatch, over each window, and with dispatch-ahead the next chunk's input tokens."""
+        engine, programs = self.engine, self.engine.programs[batch]
+        calls = [(f"decode batch {batch} window {window} chunk {DECODE_CHUNK}", programs.decode,
+                  self.decode_args(batch, window, DECODE_CHUNK)) for window in engine.length_buckets]
+        if programs.decode_long is not None:
+            calls += [(f"decode batch {batch} window {window} long", programs.decode_long,
+                       self.decode_args(batch, window, LONGEST_CHUNK)) for window in engine.length_buckets]
         if engine.dispatch_ahead:  # a chunk's input tokens, from the chunk before it still on the device
-            sampled = Output(programs.decode, chunks[engine.length_buckets[0], DECODE_CHUNK], lambda out: out[0][0])
-            calls.append((f"next tokens batch {batch}", programs.next_tokens,
-                          (sampled, feed(bool), feed(int32))))
+            sampled = Output(programs.decode, self.decode_args(batch, engine.length_buckets[0], DECODE_CHUNK),
+                             lambda out: out[0][0])
+            feed = lambda dtype: engine.feed(np.zeros(batch, dtype))  # noqa: E731
+            calls.append((f"next tokens batch {batch}", programs.next_tokens, (sampled, feed(bool), feed(np.int32))))
+        return calls
+
+    def batch_calls(self, batch, chunks=True):
+        """The programs of one batch size (with `chunks`, its multi-token decodes too) and the copies
+        between it and the next smaller size, both ways."""
+        engine, int32 = self.engine, np.int32
+        programs, cache = engine.programs[batch], abstract(*engine.cache_layout(batch))
+        calls = [(f"new cache batch {batch}", programs.new_cache, ())]
+        calls += [(f"decode batch {batch} window {window} chunk 1", programs.decode, self.decode_args(batch, window, 1))
+                  for window in engine.length_buckets]
+        calls += self.chunk_calls(batch) if chunks else []
         for block in engine.prompt_blocks:
             calls.append((f"insert batch {batch} block {block}", programs.insert,
                           (cache, self.prefills[block], int32(0))))
@@ -1957,9 +1985,11 @@ class WarmUp:
                            None) for block in engine.prompt_blocks]
         decoding = engine.generate(rows, batch)
         for window in engine.length_buckets:
-            for steps in (DECODE_CHUNK, 1) + ((LONG_CHUNK,) if decoding.decode_long is not None else ()):
-                decoding.step(window, steps)
-        if engine.dispatch_ahead:
+            decoding.step(window, 1)
+            if engine.chunked:
+                for steps in (DECODE_CHUNK,) + ((LONG_CHUNK,) if decoding.decode_long is not None else ()):
+                    decoding.step(window, steps)
+        if engine.dispatch_ahead and engine.chunked:
             for _ in range(2):  # the second chunk is dispatched ahead of reading the first: next_tokens
                 decoding.step(engine.length_buckets[0], DECODE_CHUNK)
             decoding.settle()
@@ -2140,7 +2170,7 @@ class DecodeBatch:
         busy = [g for g in self.rows if g is not None]
         if steps is not None:
             return steps
-        if self.first_token_due or any(g.matcher is not None for g in busy):
+        if not self.engine.chunked or self.first_token_due or any(g.matcher is not None for g in busy):
             return 1
         # Streamed rows keep DECODE_CHUNK: a long chunk would hold back their text for up to LONGEST_CHUNK tokens.
         long = (quiet and self.decode_long is not None and all(g.events is None for g in busy)

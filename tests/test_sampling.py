@@ -262,3 +262,14 @@ def test_the_openai_client_sends_each_field_unchanged(server):
     chat = client.chat.completions.create(model="model", messages=[{"role": "user", "content": "hi"}], n=2,
                                           max_tokens=4, logit_bias={"300": 100}, presence_penalty=-1)
     assert len(chat.choices) == 2 and chat.choices[0].message.content == forced.choices[0].text
+
+
+def test_a_grammar_holds_under_penalties_and_bias(server):
+    """The grammar's mask comes last: whatever the penalties and biases push up, the answer keeps to it."""
+    pattern = "[0-9]{3}-[0-9]{4}"
+    status, reply, _ = complete(server, max_tokens=12, temperature=0, frequency_penalty=2, presence_penalty=2,
+                                repetition_penalty=2, logit_bias={"300": 100, "1": 100},
+                                structured_outputs={"regex": pattern})
+    assert status == 200, reply
+    import re
+    assert re.fullmatch(pattern, reply["choices"][0]["text"]), reply["choices"][0]["text"]

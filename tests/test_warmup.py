@@ -63,8 +63,11 @@ def test_requests_are_served_by_compiled_programs_while_the_rest_compiles(model)
     engine = make_engine(model)
     warm_up = serve.WarmUp(engine, threads=2)
     warm_up.first()
-    assert engine.ready_batches == [1] and engine.prefix is None and not engine.grouping
-    assert warm_up.pending == ["batch 2", "batch 4", "prefix cache", "grouped prefills"]
+    assert engine.ready_batches == [1] and engine.prefix is None and not engine.grouping and not engine.chunked
+    assert warm_up.pending == ["chunks batch 1", "batch 2", "batch 4", "prefix cache", "grouped prefills"]
+    # Only one-token decodes exist yet: the smallest batch's multi-token ones (the slowest to compile) come first
+    # in the background.
+    assert not any("chunk 4" in name or "long" in name for name, _, _ in warm_up.compiled)
     assert engine.batch_for(4) == 1
     requests_compiled = serve.METRICS.request_compilations
 
@@ -74,7 +77,7 @@ def test_requests_are_served_by_compiled_programs_while_the_rest_compiles(model)
     worker = run_worker(engine, early, waves=3)  # served while the rest compiles
     background.join(300)
     assert not background.is_alive() and warm_up.pending == []
-    assert engine.ready_batches == [1, 2, 4] and engine.prefix is not None and engine.grouping
+    assert engine.ready_batches == [1, 2, 4] and engine.prefix is not None and engine.grouping and engine.chunked
     late = generations(engine)
     worker.submit(late)  # all at once: grouped prefills, a grown batch, the system prompt's blocks reused
     for g in late:
@@ -125,7 +128,7 @@ def test_health_lists_what_is_still_compiling_and_restarts_load_from_the_cache(t
     check_memory_table(first)
     first.stop()
     assert status == 200 and compiling, "the tiny model's background warm-up takes seconds: it was still listed"
-    assert set(compiling) <= {"batch 2", "batch 4", "prefix cache", "grouped prefills"}
+    assert set(compiling) <= {"chunks batch 1", "batch 2", "batch 4", "prefix cache", "grouped prefills"}
     assert reply[0] == 200 and reply[1]["usage"]["completion_tokens"] == 6
 
     again = start_server(tiny_model, *flags, cache=cache)
