@@ -1790,7 +1790,7 @@ class WarmUp:
         self.prefills = {block: Output(engine._prefill, (engine.values, engine.tokens([[engine.bos]], block),
                                                          engine.lora_tables, np.int32(0)))
                          for block in engine.prompt_blocks}
-        self.lowered, self.decodes = {}, {}
+        self.lowered, self.decodes, self.caches = {}, {}, {}
 
     def run(self):
         """Everything, in this thread."""
@@ -1879,7 +1879,7 @@ class WarmUp:
             feed = lambda dtype: engine.feed(np.zeros(batch, dtype))  # noqa: E731
             sampling = [feed(int32)] + [engine.feed(array) for array in RowSampling(batch).arrays()]  # slots first
             masks = engine.feed(np.full((batch, -(-engine.vocabulary_size // 32)), -1, int32)) if steps == 1 else None
-            cache = abstract(*engine.cache_layout(batch))
+            cache = self.batch_cache(batch)
             if steps == LONGEST_CHUNK:
                 inputs = (feed(int32), feed(int32), feed(int32), engine.feed(np.full(8, -1, int32), replicated=True),
                           engine.feed(int32(LONG_CHUNK), replicated=True))
@@ -1888,6 +1888,13 @@ class WarmUp:
             self.decodes[batch, window, steps] = (engine.values, cache, window, steps, *inputs, engine.lora_tables,
                                                   *sampling)
         return self.decodes[batch, window, steps]
+
+    def batch_cache(self, batch):
+        """A batch's cache as an abstract shape and layout, traced once per batch size (cache_layout runs
+        the model's prefill abstractly: on the start-up path, not to be repeated per program)."""
+        if batch not in self.caches:
+            self.caches[batch] = abstract(*self.engine.cache_layout(batch))
+        return self.caches[batch]
 
     def chunk_calls(self, batch):
         """A batch size's multi-token decodes: DECODE_CHUNK tokens (and in the smallest batch up to
@@ -1901,15 +1908,15 @@ class WarmUp:
         if engine.dispatch_ahead:  # a chunk's input tokens, from the chunk before it still on the device
             sampled = Output(programs.decode, self.decode_args(batch, engine.length_buckets[0], DECODE_CHUNK),
                              lambda out: out[0][0])
-            feed = lambda dtype: engine.feed(np.zeros(batch, dtype))  # noqa: E731
-            calls.append((f"next tokens batch {batch}", programs.next_tokens, (sampled, feed(bool), feed(np.int32))))
+            calls.append((f"next tokens batch {batch}", programs.next_tokens,
+                          (sampled, engine.feed(np.zeros(batch, bool)), engine.feed(np.zeros(batch, np.int32)))))
         return calls
 
     def batch_calls(self, batch, chunks=True):
         """The programs of one batch size (with `chunks`, its multi-token decodes too) and the copies
         between it and the next smaller size, both ways."""
         engine, int32 = self.engine, np.int32
-        programs, cache = engine.programs[batch], abstract(*engine.cache_layout(batch))
+        programs, cache = engine.programs[batch], self.batch_cache(batch)
         calls = [(f"new cache batch {batch}", programs.new_cache, ())]
         calls += [(f"decode batch {batch} window {window} chunk 1", programs.decode, self.decode_args(batch, window, 1))
                   for window in engine.length_buckets]
@@ -1922,7 +1929,7 @@ class WarmUp:
             smaller = engine.batch_buckets[at - 1]
             calls += [(f"resize batch {batch} to {smaller}", programs.resize[smaller], (cache, np.zeros(smaller, int32))),
                       (f"resize batch {smaller} to {batch}", engine.programs[smaller].resize[batch],
-                       (abstract(*engine.cache_layout(smaller)), np.zeros(batch, int32)))]
+                       (self.batch_cache(smaller), np.zeros(batch, int32)))]
         return calls
 
     def group_calls(self):
