@@ -234,6 +234,7 @@ class Metrics:
         self.cached_prompt_tokens = self.prefix_bytes = self.prefix_blocks = 0
         self.prefill_groups = self.grouped_prompts = self.batch_resizes = 0
         self.grammar_masks, self.grammar_mask_seconds = 0, 0.0  # masks computed, host time computing them
+        self.grammar_dropped = 0  # later tokens of a chunk a grammar row did not keep
         self.prefix_used = lambda: 0
         self.refused_connections = self.idle_closed = 0
         self.weight_bytes, self.weights = 0, {}  # weights: labels of serve_model_info
@@ -295,8 +296,12 @@ class Metrics:
                       "# TYPE serve_grouped_prompts_total counter",
                       f"serve_grouped_prompts_total {self.grouped_prompts}",
                       "# HELP serve_grammar_masks_total Token masks computed for structured output (one per "
-                      "constrained row and token).",
+                      "constrained row and dispatch).",
                       "# TYPE serve_grammar_masks_total counter", f"serve_grammar_masks_total {self.grammar_masks}",
+                      "# HELP serve_grammar_dropped_tokens_total Tokens a constrained row drew past a dispatch's "
+                      "first without the mask and dropped, to draw again under it.",
+                      "# TYPE serve_grammar_dropped_tokens_total counter",
+                      f"serve_grammar_dropped_tokens_total {self.grammar_dropped}",
                       "# HELP serve_grammar_mask_seconds_total Host time spent computing them.",
                       "# TYPE serve_grammar_mask_seconds_total counter",
                       f"serve_grammar_mask_seconds_total {self.grammar_mask_seconds}",
@@ -1250,6 +1255,7 @@ def decode_steps(model, variables, adapters, unroll, values, view, window, offse
     positions -> (view, last tokens), (tokens, log-probabilities) stacked per step."""
     import jax
     import jax.numpy as jnp
+    constrained = masks is not None and (masks != -1).any()  # a free row's mask allows everything
 
     def step(carry, offset):
         view, tokens = carry
@@ -1258,7 +1264,10 @@ def decode_steps(model, variables, adapters, unroll, values, view, window, offse
         if len(sampling) > len(SAMPLE_ARRAYS):  # a test may call a step with sample()'s arrays alone
             logits = adjust_logits(logits, at, view[1], *sampling[len(SAMPLE_ARRAYS):])
         if masks is not None:  # last: a grammar's mask holds whatever the penalties and biases did
-            logits = apply_token_mask(logits, masks)
+            # At the chunk's first token only: the next mask depends on the token before it. A row's later
+            # tokens are drawn free and kept by the host only where the mask could not have changed them.
+            logits = jax.lax.cond(constrained & (offset == offsets[0]), apply_token_mask, lambda l, _: l, logits,
+                                  masks)
         tokens, logprobs = sample(logits, at, *sampling[:len(SAMPLE_ARRAYS)])
         return (view, tokens), (tokens, logprobs)
     # `unroll`: XLA lays out the weights and the cache for its dots after it has looked for loop-invariant
@@ -1284,9 +1293,10 @@ def decode_chunk(model, variables, adapters, axes, unroll, values, cache, window
                  tables, slots, *sampling):
     """`steps` tokens per dispatch (the host pays its per-call cost once every few tokens), attending over
     only the first `window` positions: attention and cache traffic grow with the window, and no row in
-    the batch has got further than it yet. With grammar `masks` (None: no row has a grammar) the step is
-    one token: the next mask depends on the token just sampled. The mask applies before top-k,
-    temperature and top-p, so every sampler and the log-probabilities keep to the grammar."""
+    the batch has got further than it yet. Grammar `masks` (all ones for a free row) hold for the
+    chunk's first token, before top-k, temperature and top-p, so its draw and log-probabilities are the
+    masked distribution's; DecodeBatch.settle keeps a later token only when that mask's draw would have
+    been the same token (see keeps_free_draw)."""
     import jax.numpy as jnp
     (view, _), outputs = decode_steps(model, variables, adapters, unroll, values, window_view(axes, cache, window),
                                       window, jnp.arange(steps), masks, tokens, positions, tables, slots, sampling)
@@ -1487,6 +1497,7 @@ class Engine:
         self.variables = model.variables
         self.values = [v.value for v in self.variables]
         self.top_logprobs = min(TOP_LOGPROBS, CANDIDATES, model.backbone.vocabulary_size)
+        self.open_mask_arrays = {}
         self.axes = cache_position_axes(model)
         self.unroll = sum(value.nbytes for value in self.values) >= UNROLL_FROM_BYTES
         bound = functools.partial
@@ -1557,6 +1568,13 @@ class Engine:
             # Copies of chosen rows into a batch of the next smaller or larger size, in that size's layout.
             {size: jax.jit(resize_cache, out_shardings=self.cache_layout(size)[1])
              for size in self.batch_buckets[max(at - 1, 0):at] + self.batch_buckets[at + 1:at + 2]})
+
+    def open_masks(self, batch):
+        """Grammar masks that allow every token, put on the device once per batch size: what a chunk
+        without a grammar row takes."""
+        if batch not in self.open_mask_arrays:
+            self.open_mask_arrays[batch] = self.put(np.full((batch, -(-self.vocabulary_size // 32)), -1, np.int32))
+        return self.open_mask_arrays[batch]
 
     def long_limit(self):
         """How many tokens a long dispatch may make: as many as fit in long_chunk_seconds at the last long
@@ -1766,8 +1784,8 @@ Output = collections.namedtuple("Output", "program args pick", defaults=(lambda 
 
 class WarmUp:
     """Compiles every program an Engine runs, so requests never compile: per batch size, decode over
-    each window (a chunk of DECODE_CHUNK tokens, one masked token for grammars and, in the smallest
-    batch, up to LONG_CHUNK tokens), an insert for each prompt block and the copies that grow and shrink
+    each window (a chunk of DECODE_CHUNK tokens, a single token and, in the smallest batch, up to
+    LONG_CHUNK tokens; the first two under grammar masks), an insert for each prompt block and the copies that grow and shrink
     a batch to its neighbouring sizes; per prompt block, a prefill, and up to GROUP_BLOCK, one per group
     size; with a prefix cache, per window a gather and a prefill after each prefix length that fits,
     per block a pool write; with adapters, the slot update.
@@ -1878,13 +1896,13 @@ class WarmUp:
             engine, int32 = self.engine, np.int32
             feed = lambda dtype: engine.feed(np.zeros(batch, dtype))  # noqa: E731
             sampling = [feed(int32)] + [engine.feed(array) for array in RowSampling(batch).arrays()]  # slots first
-            masks = engine.feed(np.full((batch, -(-engine.vocabulary_size // 32)), -1, int32)) if steps == 1 else None
             cache = self.batch_cache(batch)
             if steps == LONGEST_CHUNK:
                 inputs = (feed(int32), feed(int32), feed(int32), engine.feed(np.full(8, -1, int32), replicated=True),
                           engine.feed(int32(LONG_CHUNK), replicated=True))
             else:
-                inputs = (masks, feed(int32), feed(int32))
+                inputs = (engine.feed(np.full((batch, -(-engine.vocabulary_size // 32)), -1, int32)), feed(int32),
+                          feed(int32))
             self.decodes[batch, window, steps] = (engine.values, cache, window, steps, *inputs, engine.lora_tables,
                                                   *sampling)
         return self.decodes[batch, window, steps]
@@ -2095,8 +2113,9 @@ class DecodeBatch:
         self.sampling = None  # the slots and the sampler's arrays on the device; re-sent when a row changes hands
         self.masks = np.full((size, -(-engine.vocabulary_size // 32)), -1, np.int32)  # grammar bitmasks
         self.masked_rows = False  # whether `masks` still holds a grammar's mask
+        self.open_masks = engine.open_masks(size)  # on the device: every token allowed, for chunks without a grammar
         # A streamed request's first token is sent after the step that samples it: the dispatch after it is
-        # admitted is one token long (the one-token program grammars use, every token allowed), not four.
+        # admitted is one token long, not four.
         self.first_token_due = False
         # The last chunk dispatched whose tokens are not read yet: (sampled, logprobs, [(row, generation)],
         # positions it started from, steps). Its rows' last tokens feed the next chunk on the device.
@@ -2170,25 +2189,27 @@ class DecodeBatch:
         return True
 
     def chunk_length(self, steps, quiet):
-        """One token (under a grammar mask) when a row has a grammar or a streamed request waits for its
-        first token; up to Engine.long_limit() tokens (decode_until_done) when `quiet` (no request waits),
-        no row streams and one still has more than DECODE_CHUNK tokens to make; DECODE_CHUNK otherwise.
+        """One token when a streamed request waits for its first token (or the batch's multi-token programs
+        are still compiling); up to Engine.long_limit() tokens (decode_until_done) when `quiet` (no request
+        waits), no row streams or has a grammar, and one still has more than DECODE_CHUNK tokens to make;
+        DECODE_CHUNK otherwise.
         `steps` forces one of the three (the warm-up compiles each)."""
         busy = [g for g in self.rows if g is not None]
         if steps is not None:
             return steps
-        if not self.engine.chunked or self.first_token_due or any(g.matcher is not None for g in busy):
+        if not self.engine.chunked or self.first_token_due:
             return 1
-        # Streamed rows keep DECODE_CHUNK: a long chunk would hold back their text for up to LONGEST_CHUNK tokens.
-        long = (quiet and self.decode_long is not None and all(g.events is None for g in busy)
+        # Streamed rows keep DECODE_CHUNK: a long chunk would hold back their text for up to LONGEST_CHUNK
+        # tokens. Grammar rows do: their masks are made between chunks.
+        long = (quiet and self.decode_long is not None and all(g.events is None and g.matcher is None for g in busy)
                 and max((g.max_tokens - len(g.ids) for g in busy), default=0) > DECODE_CHUNK)
         return LONG_CHUNK if long else DECODE_CHUNK
 
     def step(self, window=None, steps=None, quiet=False):
         """Decodes a chunk (chunk_length) in every row and hands each generation its own tokens: those of
         the chunk before, when this one could be dispatched ahead of reading them. A one-token or a long
-        chunk needs the tokens before it first (for the grammar's next mask, the first token's event, or
-        how far each row has got) and is read as soon as it is made."""
+        chunk needs the tokens before it first (for the first token's event, or how far each row has got)
+        and is read as soon as it is made, as is a chunk with grammar rows (their next masks)."""
         engine = self.engine
         if self.pending is not None:
             held = set(row for row, g in enumerate(self.rows) if g is not None)
@@ -2197,9 +2218,7 @@ class DecodeBatch:
             if self.chunk_length(steps, quiet) != DECODE_CHUNK:
                 self.settle()
         steps = self.chunk_length(steps, quiet)
-        masked = self.fill_masks() or steps == 1
-        if masked:
-            steps = 1
+        masked = self.fill_masks()
         self.first_token_due = False
         busy = [(row, g) for row, g in enumerate(self.rows) if g is not None]
         for row in self.ending_rows():  # what this chunk makes there is dropped: let it not cost the cheap paths
@@ -2213,7 +2232,8 @@ class DecodeBatch:
         if self.pending is not None and self.stale.any():  # rows that carry on: from the pending chunk's tokens
             tokens = self.next_tokens(self.pending[0], engine.feed(self.stale), tokens)
         inputs = tokens, engine.feed(self.positions)
-        start, read_now = self.positions.copy(), steps != DECODE_CHUNK or not engine.dispatch_ahead
+        # A grammar row's tokens are checked, and its next mask made, before the next chunk is dispatched.
+        start, read_now = self.positions.copy(), steps != DECODE_CHUNK or masked or not engine.dispatch_ahead
         if steps == LONG_CHUNK:
             remaining = np.zeros(self.size, np.int32)  # free rows: none
             for row, g in busy:  # a row also ends where the cache does; at its end it still runs one chunk,
@@ -2231,8 +2251,8 @@ class DecodeBatch:
                 engine.token_seconds = (time.perf_counter() - started) / steps
         else:
             (sampled, logprobs), self.cache = self.decode(engine.values, self.cache, window, steps,
-                                                          engine.feed(self.masks) if masked else None, *inputs,
-                                                          engine.lora_tables, *self.sampling)
+                                                          engine.feed(self.masks) if masked else self.open_masks,
+                                                          *inputs, engine.lora_tables, *self.sampling)
         self.positions += steps
         self.stale[:] = True
         previous, self.pending = self.pending, (sampled, logprobs, busy, start, steps)
@@ -2255,18 +2275,52 @@ class DecodeBatch:
             self.tokens = np.where(self.stale, sampled[made - 1], self.tokens)
             self.stale[:] = False
         busy = [(row, g) for row, g in busy if g.finish_reason is None]  # not cancelled meanwhile
-        if any(g.logprobs is not None for _, g in busy):  # fetched only when asked for
-            logprobs = [np.asarray(a) for a in logprobs]
+        drawn_from = {row: self.free_draw_candidates(row, g) for row, g in busy if g.matcher is not None}
+        if any(g.logprobs is not None for _, g in busy) or max(drawn_from.values(), default=0) > 1:
+            logprobs = [np.asarray(a) for a in logprobs]  # fetched only when asked for
         for row, generation in busy:
             for offset in range(made):
                 if start[row] + offset >= self.length - 1:  # the cache is full (validation prevents it)
                     generation.finish("length", engine)
                     break
+                token = int(sampled[offset, row])
+                if offset and row in drawn_from and not self.keeps_free_draw(
+                        generation, drawn_from[row], token, lambda: logprobs[2][offset, row]):
+                    # The rest of the chunk is dropped: the row decodes on from its last kept token, under
+                    # the mask (what the cache holds past it is overwritten as it goes).
+                    self.positions[row], self.tokens[row] = start[row] + offset, sampled[offset - 1, row]
+                    METRICS.add("grammar_dropped", made - offset)
+                    break
                 alternatives = None if generation.logprobs is None else [a[offset, row] for a in logprobs]
-                if generation.accept(int(sampled[offset, row]), engine, alternatives):
+                if generation.accept(token, engine, alternatives):
                     break
             if generation.finish_reason is not None and self.rows[row] is generation:
                 self.vacate(row)
+
+    def free_draw_candidates(self, row, generation):
+        """How many of the most likely tokens a grammar row's draw picks among: 1 when greedy, top_k when
+        top-p cuts none of them (top_p 1) and the step lists them (engine.top_logprobs); 0 when its
+        later tokens are never kept (any other sampler, or log-probabilities to report, which must be
+        the masked distribution's)."""
+        sampler = self.sampler
+        if generation.logprobs is not None:
+            return 0
+        if sampler.temperature[row] <= 0:
+            return 1
+        k = int(sampler.top_k[row])
+        return k if sampler.top_p[row] >= 1 and k <= self.engine.top_logprobs else 0
+
+    @staticmethod
+    def keeps_free_draw(generation, candidates, token, top_ids):
+        """Whether a token drawn without the grammar's mask (a chunk's later token; `top_ids()`: the most
+        likely ids at its step, fetched when a sampled row needs them) is the one the masked
+        draw makes: it is when the grammar allows every candidate of the draw. The mask then removes none
+        of them, so the masked draw sees the same candidates in the same order and, keyed by (seed,
+        position), picks the same one; for a greedy row, the argmax allowed is the masked argmax."""
+        if not candidates:
+            return False
+        ids = [token] if candidates == 1 else top_ids()[:candidates].tolist()
+        return all(generation.matcher.validate_tokens([i]) == 1 for i in ids)
 
     def release_cancelled(self):
         """Frees the rows of generations whose clients left, before the next chunk decodes for them."""

@@ -151,7 +151,8 @@ def convert(gguf_path, out_dir, dtype="bfloat16"):
     from gguf import GGUFReader
     reader = GGUFReader(str(gguf_path))
     out_dir = Path(out_dir)
-    work = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent if out_dir.parent.exists() else None))
+    out_dir.parent.mkdir(parents=True, exist_ok=True)  # and the work dir beside it: one filesystem for the rename
+    work = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
     try:
         proto, vocab_size = make_tokenizer_proto(reader)
         (work / "tokenizer.model").write_bytes(proto)

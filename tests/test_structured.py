@@ -218,3 +218,67 @@ def test_apply_token_mask_on_a_hand_made_mask():
     masks[1] = -1  # every token
     out = np.asarray(serve.apply_token_mask(logits, masks))
     assert np.isfinite(out[0]).nonzero()[0].tolist() == [5, 65] and np.isfinite(out[1]).all()
+
+
+@pytest.fixture(scope="module")
+def grammar_engine(trained_model):
+    model, _, _ = serve.load_model(serve.parse_args(["--model", str(trained_model)]))
+    engine = serve.Engine(model, [8], [64, 320], None)
+    return engine, serve.grammar_tokenizer(model.preprocessor.tokenizer, engine.vocabulary_size, engine.stop_ids)
+
+
+ENGINE_FORMS = [FORMS["json_schema"], FORMS["regex"], FORMS["choice"],
+                ({"tools": serve.tools_grammar([WEATHER["function"], TIME["function"]])},
+                 lambda text: serve.tool_call_message(text, "stop")[0]["content"] is None)]
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("sampling", [serve.SAMPLER_DEFAULTS["greedy"], {"temperature": 0.9, "top_k": 3, "top_p": 1.0},
+                                      {"temperature": 1.0, "top_k": 40, "top_p": 0.9}])
+def test_grammar_rows_keep_multi_token_dispatches_and_answer_as_a_token_a_step(grammar_engine, sampling):
+    """A batch of four grammar rows (JSON schema, regex, choice, a tool call) and four free ones decodes
+    DECODE_CHUNK tokens a dispatch, masked at each chunk's first token: the free rows make theirs as fast
+    as without a grammar beside them. Each row's tokens are those of the masked draw at every token (the
+    engine held to a token a dispatch), greedy or sampled with a seed."""
+    import llguidance
+    engine, tokenizer = grammar_engine
+    grammars = [serve.requested_grammar(extra)[1] if "tools" not in extra else extra["tools"]
+                for extra, _ in ENGINE_FORMS]
+    programs, dispatches = engine.programs[8], []
+
+    def decode(values, cache, window, steps, masks, *rest):
+        dispatches.append((steps, masks is not engine.open_masks(8)))
+        return programs.decode(values, cache, window, steps, masks, *rest)
+
+    def run(chunked):
+        rows = []
+        for i, grammar in enumerate(grammars):
+            prompt = [engine.bos] + engine.encode(f"Instruction:\nAnswer number {i}.\n\nResponse:\n")
+            constrained = serve.Generation(prompt, 96, sampling, 10 + i, [], None)
+            constrained.matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+            free = serve.Generation(prompt, 24 + i, sampling, 20 + i, [], None)
+            free.finish = lambda reason, engine=None, finish=free.finish: (
+                freed.append(len(dispatches)), finish(reason, engine))[1]
+            rows += [constrained, free]
+        engine.chunked, freed = chunked, []
+        try:
+            engine.generate(rows, len(rows))
+        finally:
+            engine.chunked = True
+        return rows, max(freed)  # the dispatches the free rows took
+    engine.programs[8] = programs._replace(decode=decode)
+    try:
+        dropped = serve.METRICS.grammar_dropped
+        chunked, free_dispatches = run(True)
+        chunked_dispatches, dispatches[:] = list(dispatches), []
+        single, single_free_dispatches = run(False)
+    finally:
+        engine.programs[8] = programs
+    assert [g.ids for g in chunked] == [g.ids for g in single]
+    for (_, check), constrained in zip(ENGINE_FORMS, chunked[::2]):
+        assert constrained.finish_reason == "stop" and check(constrained.text), constrained.text
+    assert {steps for steps, _ in chunked_dispatches} == {serve.DECODE_CHUNK}  # never a token a dispatch
+    assert sum(masked for _, masked in chunked_dispatches) >= 4  # the grammar rows' dispatches, masked
+    assert free_dispatches <= -(-27 // serve.DECODE_CHUNK) + 1 < single_free_dispatches / 3  # 4 tokens a dispatch
+    if sampling["temperature"] <= 0 or sampling["top_p"] >= 1:  # their later tokens were checked, some dropped
+        assert serve.METRICS.grammar_dropped > dropped
