@@ -1296,7 +1296,7 @@ def decode_chunk(model, variables, adapters, axes, unroll, values, cache, window
     the batch has got further than it yet. Grammar `masks` (all ones for a free row) hold for the
     chunk's first token, before top-k, temperature and top-p, so its draw and log-probabilities are the
     masked distribution's; DecodeBatch.settle keeps a later token only when that mask's draw would have
-    been the same token (see keeps_free_draw)."""
+    been the same token (RowGrammars.keeps_free_draw)."""
     import jax.numpy as jnp
     (view, _), outputs = decode_steps(model, variables, adapters, unroll, values, window_view(axes, cache, window),
                                       window, jnp.arange(steps), masks, tokens, positions, tables, slots, sampling)
@@ -1447,6 +1447,70 @@ class PrefixCache:
         return len(self.by_key)
 
 
+class PrefixPool(PrefixCache):
+    """The prefix cache with its blocks' KV on the device: the pool (a one-row cache's leaves cut into
+    blocks, plus the scratch block) and the programs that copy a prefix out of it and a prompt's new
+    blocks into it, for an Engine's prefills."""
+
+    def __init__(self, engine, blocks, block_tokens, rows):
+        import jax
+        super().__init__(blocks, block_tokens)
+        self.engine = engine
+        self.pool = self.empty()
+        self.pool_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(self.pool)) * blocks // (blocks + 1)
+        self.gather_program = jax.jit(functools.partial(gather_blocks, engine.axes), out_shardings=rows)
+        self.store_program = jax.jit(functools.partial(store_blocks, engine.axes), donate_argnums=(0,))
+
+    def empty(self):
+        import jax
+        blocks, size = self.blocks, self.block_tokens
+        return self.engine.put(jax.tree.map(
+            lambda s, axis: np.zeros((blocks + 1,) + s.shape[1:axis] + (size,) + s.shape[axis + 1:], s.dtype),
+            cache_shapes(self.engine.model, 1, 8), self.engine.axes), replicated=True)
+
+    def keys_of(self, generation):
+        return self.keys(generation.prompt_ids, 0 if generation.adapter is None else generation.adapter.uid)
+
+    def reuse(self, generation, keys):
+        """The pool blocks of the prompt's longest cached prefix, held until the generation ends, and the
+        number of positions they cover."""
+        ids, engine = generation.prompt_ids, self.engine
+        reused = self.match(keys[:(len(ids) - 1) // self.block_tokens])  # the last token is always computed
+        # The rest is prefilled in a block after the prefix, and both must fit the cache: near the end of it,
+        # reuse fewer blocks (the block for the rest shrinks with it).
+        while reused and len(reused) * self.block_tokens + engine.block_for(
+                len(ids) - len(reused) * self.block_tokens) > engine.max_length:
+            reused.pop()
+        self.hold(reused)  # before this prompt's own blocks are allocated, which may evict
+        generation.releases.append(functools.partial(self.release, reused))
+        return reused, len(reused) * self.block_tokens
+
+    def gather(self, reused, window):
+        """A one-row cache of `window` positions starting with the `reused` blocks."""
+        return self.gather_program(self.pool, np.array(
+            reused + [self.scratch] * (window // self.block_tokens - len(reused)), np.int32))
+
+    def store(self, generation, keys, start, row):
+        """Writes the prompt's new full blocks (those after the first `start` positions) into the pool, held
+        until the generation ends."""
+        first = start // self.block_tokens
+        written = [(first + index, block) for index, block in self.allocate(keys[first:])]
+        generation.releases.append(functools.partial(self.release, [block for _, block in written]))
+        if written:
+            size = cache_length(row, self.engine.axes) // self.block_tokens
+            sources = np.zeros(size, np.int32)
+            targets = np.full(size, self.scratch, np.int32)
+            sources[:len(written)], targets[:len(written)] = zip(*written)
+            try:
+                self.pool = self.store_program(self.pool, row, sources, targets)
+            except BaseException:
+                # The store donates the pool: whatever failed, its buffer may be gone. A fresh pool, and no
+                # key left to match a block that is not in it.
+                self.forget(list(self.by_key.values()))
+                self.pool = self.empty()
+                raise
+
+
 # One batch size's compiled programs (see Engine.batch_programs); resize: {size: program} for its neighbours.
 BatchPrograms = collections.namedtuple("BatchPrograms", "new_cache insert decode decode_long next_tokens resize")
 
@@ -1518,22 +1582,9 @@ class Engine:
         # A lone request decodes in the smallest batch, where the per-dispatch cost weighs most: that batch
         # size also gets decode_until_done's long chunks (one more program per window to compile).
         self.programs = {batch: self.batch_programs(batch, long=batch == batch_buckets[0]) for batch in batch_buckets}
-        self.prefix = PrefixCache(prefix_blocks, block_tokens) if prefix_blocks else None
-        if self.prefix is not None:
-            if any(length % block_tokens for length in length_buckets):
-                raise LoadError(f"--prefix-block-tokens {block_tokens} must divide every --length-buckets length")
-            self.pool = self.empty_pool()
-            self.pool_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(self.pool)) * prefix_blocks // (
-                prefix_blocks + 1)
-            self._gather = jax.jit(bound(gather_blocks, self.axes), out_shardings=rows)
-            self._store = jax.jit(bound(store_blocks, self.axes), donate_argnums=(0,))
-
-    def empty_pool(self):
-        import jax
-        blocks, size = self.prefix.blocks, self.prefix.block_tokens
-        return self.put(jax.tree.map(
-            lambda s, axis: np.zeros((blocks + 1,) + s.shape[1:axis] + (size,) + s.shape[axis + 1:], s.dtype),
-            cache_shapes(self.model, 1, 8), self.axes), replicated=True)
+        if prefix_blocks and any(length % block_tokens for length in length_buckets):
+            raise LoadError(f"--prefix-block-tokens {block_tokens} must divide every --length-buckets length")
+        self.prefix = PrefixPool(self, prefix_blocks, block_tokens, rows) if prefix_blocks else None
 
     def cache_layout(self, batch):
         """(abstract shapes, device layout or None) of a batch's cache."""
@@ -1630,62 +1681,26 @@ class Engine:
 
     def prefix_keys(self, generation):
         """The prefix-cache key chain of a generation's prompt ([] without a prefix cache)."""
-        if self.prefix is None:
-            return []
-        return self.prefix.keys(generation.prompt_ids, 0 if generation.adapter is None else generation.adapter.uid)
+        return [] if self.prefix is None else self.prefix.keys_of(generation)
 
     def match_prefix(self, generation, keys):
-        """The pool blocks of the prompt's longest cached prefix, held until the generation ends, and the
-        number of positions they cover."""
-        ids, prefix = generation.prompt_ids, self.prefix
-        if prefix is None:
-            return [], 0
-        reused = prefix.match(keys[:(len(ids) - 1) // prefix.block_tokens])  # the last token is always computed
-        # The rest is prefilled in a block after the prefix, and both must fit the cache: near the end of it,
-        # reuse fewer blocks (the block for the rest shrinks with it).
-        while reused and len(reused) * prefix.block_tokens + self.block_for(
-                len(ids) - len(reused) * prefix.block_tokens) > self.max_length:
-            reused.pop()
-        prefix.hold(reused)  # before this prompt's own blocks are allocated, which may evict
-        generation.releases.append(functools.partial(prefix.release, reused))
-        return reused, len(reused) * prefix.block_tokens
+        """PrefixPool.reuse: ([], 0) without a prefix cache."""
+        return ([], 0) if self.prefix is None else self.prefix.reuse(generation, keys)
 
     def compute_row(self, generation, reused, start):
         """The cache row of a prompt: the `reused` pool blocks copied and the rest computed after them, or
         all of it computed."""
-        ids, prefix = generation.prompt_ids, self.prefix
-        tables, slot = self.lora_tables, np.int32(generation.slot)
+        ids, tables, slot = generation.prompt_ids, self.lora_tables, np.int32(generation.slot)
         suffix = self.block_for(len(ids) - start)
         if not start:
             return self._prefill(self.values, self.tokens([ids], suffix), tables, slot)
-        window = self.window_for(start + suffix)
-        row = self._gather(self.pool, np.array(reused + [prefix.scratch] * (window // prefix.block_tokens
-                                                                             - len(reused)), np.int32))
+        row = self.prefix.gather(reused, self.window_for(start + suffix))
         return self._prefill_after_prefix(self.values, row, self.tokens([ids[start:]], suffix), np.int32(start),
                                           tables, slot)
 
     def store_prefix(self, generation, keys, start, row):
-        """Writes the prompt's new full blocks (those after the first `start` positions) into the pool, held
-        until the generation ends."""
-        prefix = self.prefix
-        if prefix is None:
-            return
-        first = start // prefix.block_tokens
-        written = [(first + index, block) for index, block in prefix.allocate(keys[first:])]
-        generation.releases.append(functools.partial(prefix.release, [block for _, block in written]))
-        if written:
-            size = cache_length(row, self.axes) // prefix.block_tokens
-            sources = np.zeros(size, np.int32)
-            targets = np.full(size, prefix.scratch, np.int32)
-            sources[:len(written)], targets[:len(written)] = zip(*written)
-            try:
-                self.pool = self._store(self.pool, row, sources, targets)
-            except BaseException:
-                # The store donates the pool: whatever failed, its buffer may be gone. A fresh pool, and no
-                # key left to match a block that is not in it.
-                prefix.forget(list(prefix.by_key.values()))
-                self.pool = self.empty_pool()
-                raise
+        if self.prefix is not None:
+            self.prefix.store(generation, keys, start, row)
 
     def prefill_row(self, generation, keys=None):
         """The cache row of a generation's prompt: its longest cached prefix copied from the pool and the
@@ -1873,7 +1888,7 @@ class WarmUp:
         engine = self.engine
         if part == "prefix cache":
             return (f"prefix cache of {self.prefix.blocks} blocks of {self.prefix.block_tokens} tokens "
-                    f"({engine.pool_bytes / 2**20:,.1f} MiB)")
+                    f"({self.prefix.pool_bytes / 2**20:,.1f} MiB)")
         if part == "grouped prefills":
             return (f"prefills of {','.join(map(str, engine.group_sizes))} prompts at once in blocks "
                     f"{','.join(map(str, engine.group_blocks))}")
@@ -1958,14 +1973,14 @@ class WarmUp:
                 for block in engine.group_blocks for size in engine.group_sizes]
 
     def prefix_calls(self):
-        engine, calls, int32 = self.engine, [], np.int32
-        size, scratch = self.prefix.block_tokens, self.prefix.scratch
+        engine, prefix, calls, int32 = self.engine, self.prefix, [], np.int32
+        size, scratch = prefix.block_tokens, prefix.scratch
         for length in engine.prompt_blocks:
-            calls.append((f"pool store block {length}", engine._store,
-                          (engine.pool, self.prefills[length], np.zeros(length // size, int32),
+            calls.append((f"pool store block {length}", prefix.store_program,
+                          (prefix.pool, self.prefills[length], np.zeros(length // size, int32),
                            np.full(length // size, scratch, int32))))
             if length in engine.length_buckets:
-                gathered = Output(engine._gather, (engine.pool, np.full(length // size, scratch, int32)))
+                gathered = Output(prefix.gather_program, (prefix.pool, np.full(length // size, scratch, int32)))
                 calls.append((f"pool gather window {length}", *gathered[:2]))
                 for suffix in (s for s in engine.prompt_blocks if s <= length - size):
                     calls.append((f"prefill block {suffix} after a prefix in window {length}",
@@ -2094,6 +2109,67 @@ class RowSampling:
             getattr(self, name)[:len(kept)] = getattr(other, name)[kept]
 
 
+class RowGrammars:
+    """Each row's grammar mask for its next token (llguidance's bitmask, made on the host), and the check
+    that lets a grammar row keep a chunk's later tokens, drawn without it. Free rows allow every token."""
+
+    def __init__(self, engine, size):
+        self.engine = engine
+        self.masks = np.full((size, -(-engine.vocabulary_size // 32)), -1, np.int32)
+        self.masked_rows = False  # whether `masks` still holds a grammar's mask
+        self.open_masks = engine.open_masks(size)  # on the device: every token allowed, for chunks without a grammar
+
+    def fill(self, rows):
+        """Each grammar row's mask for its next token (llguidance, on the host); False when no row of
+        `rows` (generations, None for a free row) has a grammar."""
+        constrained = [(row, g.matcher) for row, g in enumerate(rows) if g is not None and g.matcher is not None]
+        if self.masked_rows:  # a finished grammar's last mask must not reach the row's next request
+            self.masks.fill(-1)
+            self.masked_rows = False
+        if not constrained:
+            return False
+        import llguidance.numpy
+        started = time.time()
+        for row, matcher in constrained:
+            llguidance.numpy.fill_next_token_bitmask(matcher, self.masks, row)
+        self.masked_rows = True
+        METRICS.observe_masks(len(constrained), time.time() - started)
+        return True
+
+    def inputs(self, masked):
+        """The masks a decode chunk takes: the rows' own when `masked` (fill() said a row has a grammar)."""
+        return self.engine.feed(self.masks) if masked else self.open_masks
+
+    def candidates(self, row, generation, sampler):
+        """How many of the most likely tokens a grammar row's draw picks among: 1 when greedy, top_k when
+        top-p cuts none of them (top_p 1) and the step lists them (engine.top_logprobs); 0 when its
+        later tokens are never kept (any other sampler, or log-probabilities to report, which must be
+        the masked distribution's)."""
+        if generation.logprobs is not None:
+            return 0
+        if sampler.temperature[row] <= 0:
+            return 1
+        k = int(sampler.top_k[row])
+        return k if sampler.top_p[row] >= 1 and k <= self.engine.top_logprobs else 0
+
+    @staticmethod
+    def keeps_free_draw(generation, candidates, token, top_ids):
+        """Whether a token drawn without the grammar's mask (a chunk's later token) is the one the masked
+        draw makes: it is when the grammar allows each of the draw's `candidates` (`top_ids()`: the most
+        likely ids at that step, fetched only for a sampled row). The mask then removes none of them, so
+        the masked draw sees the same candidates in the same order and, keyed by (seed, position), picks
+        the same one; for a greedy row, an argmax the grammar allows is the masked argmax."""
+        if not candidates:
+            return False
+        ids = [token] if candidates == 1 else top_ids()[:candidates].tolist()
+        return all(generation.matcher.validate_tokens([i]) == 1 for i in ids)
+
+    def take(self, other, kept):
+        """Row i's mask from `other`'s row kept[i]."""
+        self.masks[:len(kept)] = other.masks[kept]
+        self.masked_rows = other.masked_rows
+
+
 class DecodeBatch:
     """`size` rows over one cache. Each row holds one generation at its own position; a row frees up
     the moment its generation ends and can take the next one. With Engine.dispatch_ahead (a GPU or TPU)
@@ -2111,9 +2187,7 @@ class DecodeBatch:
         self.sampler = RowSampling(size)
         self.slots = np.zeros(size, np.int32)  # each row's adapter slot (0: the base alone)
         self.sampling = None  # the slots and the sampler's arrays on the device; re-sent when a row changes hands
-        self.masks = np.full((size, -(-engine.vocabulary_size // 32)), -1, np.int32)  # grammar bitmasks
-        self.masked_rows = False  # whether `masks` still holds a grammar's mask
-        self.open_masks = engine.open_masks(size)  # on the device: every token allowed, for chunks without a grammar
+        self.grammars = RowGrammars(engine, size)
         # A streamed request's first token is sent after the step that samples it: the dispatch after it is
         # admitted is one token long, not four.
         self.first_token_due = False
@@ -2171,28 +2245,11 @@ class DecodeBatch:
             self.sampling = None
             self.first_token_due |= generation.events is not None
 
-    def fill_masks(self):
-        """Each grammar row's mask for its next token (llguidance, on the host); False when no row has a
-        grammar. Free rows and rows without one allow every token."""
-        constrained = [(row, g.matcher) for row, g in enumerate(self.rows) if g is not None and g.matcher is not None]
-        if self.masked_rows:  # a finished grammar's last mask must not reach the row's next request
-            self.masks.fill(-1)
-            self.masked_rows = False
-        if not constrained:
-            return False
-        import llguidance.numpy
-        started = time.time()
-        for row, matcher in constrained:
-            llguidance.numpy.fill_next_token_bitmask(matcher, self.masks, row)
-        self.masked_rows = True
-        METRICS.observe_masks(len(constrained), time.time() - started)
-        return True
-
     def chunk_length(self, steps, quiet):
-        """One token when a streamed request waits for its first token (or the batch's multi-token programs
-        are still compiling); up to Engine.long_limit() tokens (decode_until_done) when `quiet` (no request
-        waits), no row streams or has a grammar, and one still has more than DECODE_CHUNK tokens to make;
-        DECODE_CHUNK otherwise.
+        """One token when a streamed request waits for its first token, or while the batch's multi-token
+        programs are still compiling; up to Engine.long_limit() tokens
+        (decode_until_done) when `quiet` (no request waits), no row streams or has a grammar, and one
+        still has more than DECODE_CHUNK tokens to make; DECODE_CHUNK otherwise.
         `steps` forces one of the three (the warm-up compiles each)."""
         busy = [g for g in self.rows if g is not None]
         if steps is not None:
@@ -2218,7 +2275,7 @@ class DecodeBatch:
             if self.chunk_length(steps, quiet) != DECODE_CHUNK:
                 self.settle()
         steps = self.chunk_length(steps, quiet)
-        masked = self.fill_masks()
+        masked = self.grammars.fill(self.rows)
         self.first_token_due = False
         busy = [(row, g) for row, g in enumerate(self.rows) if g is not None]
         for row in self.ending_rows():  # what this chunk makes there is dropped: let it not cost the cheap paths
@@ -2251,7 +2308,7 @@ class DecodeBatch:
                 engine.token_seconds = (time.perf_counter() - started) / steps
         else:
             (sampled, logprobs), self.cache = self.decode(engine.values, self.cache, window, steps,
-                                                          engine.feed(self.masks) if masked else self.open_masks,
+                                                          self.grammars.inputs(masked),
                                                           *inputs, engine.lora_tables, *self.sampling)
         self.positions += steps
         self.stale[:] = True
@@ -2275,7 +2332,7 @@ class DecodeBatch:
             self.tokens = np.where(self.stale, sampled[made - 1], self.tokens)
             self.stale[:] = False
         busy = [(row, g) for row, g in busy if g.finish_reason is None]  # not cancelled meanwhile
-        drawn_from = {row: self.free_draw_candidates(row, g) for row, g in busy if g.matcher is not None}
+        drawn_from = {row: self.grammars.candidates(row, g, self.sampler) for row, g in busy if g.matcher is not None}
         if any(g.logprobs is not None for _, g in busy) or max(drawn_from.values(), default=0) > 1:
             logprobs = [np.asarray(a) for a in logprobs]  # fetched only when asked for
         for row, generation in busy:
@@ -2284,7 +2341,7 @@ class DecodeBatch:
                     generation.finish("length", engine)
                     break
                 token = int(sampled[offset, row])
-                if offset and row in drawn_from and not self.keeps_free_draw(
+                if offset and row in drawn_from and not self.grammars.keeps_free_draw(
                         generation, drawn_from[row], token, lambda: logprobs[2][offset, row]):
                     # The rest of the chunk is dropped: the row decodes on from its last kept token, under
                     # the mask (what the cache holds past it is overwritten as it goes).
@@ -2296,31 +2353,6 @@ class DecodeBatch:
                     break
             if generation.finish_reason is not None and self.rows[row] is generation:
                 self.vacate(row)
-
-    def free_draw_candidates(self, row, generation):
-        """How many of the most likely tokens a grammar row's draw picks among: 1 when greedy, top_k when
-        top-p cuts none of them (top_p 1) and the step lists them (engine.top_logprobs); 0 when its
-        later tokens are never kept (any other sampler, or log-probabilities to report, which must be
-        the masked distribution's)."""
-        sampler = self.sampler
-        if generation.logprobs is not None:
-            return 0
-        if sampler.temperature[row] <= 0:
-            return 1
-        k = int(sampler.top_k[row])
-        return k if sampler.top_p[row] >= 1 and k <= self.engine.top_logprobs else 0
-
-    @staticmethod
-    def keeps_free_draw(generation, candidates, token, top_ids):
-        """Whether a token drawn without the grammar's mask (a chunk's later token; `top_ids()`: the most
-        likely ids at its step, fetched when a sampled row needs them) is the one the masked
-        draw makes: it is when the grammar allows every candidate of the draw. The mask then removes none
-        of them, so the masked draw sees the same candidates in the same order and, keyed by (seed,
-        position), picks the same one; for a greedy row, the argmax allowed is the masked argmax."""
-        if not candidates:
-            return False
-        ids = [token] if candidates == 1 else top_ids()[:candidates].tolist()
-        return all(generation.matcher.validate_tokens([i]) == 1 for i in ids)
 
     def release_cancelled(self):
         """Frees the rows of generations whose clients left, before the next chunk decodes for them."""
@@ -2367,11 +2399,12 @@ class DecodeBatch:
         index = np.array(kept + [0] * (size - len(kept)), np.int32)
         new.cache = self.engine.programs[self.size].resize[size](self.cache, index)
         self.cache = None  # this batch is done: its cache's memory may go before the next copy
-        for name in ("positions", "tokens", "slots", "masks"):
+        for name in ("positions", "tokens", "slots"):
             getattr(new, name)[:len(kept)] = getattr(self, name)[kept]
         new.sampler.take(self.sampler, kept)
+        new.grammars.take(self.grammars, kept)
         new.rows[:len(kept)] = [self.rows[row] for row in kept]
-        new.masked_rows, new.first_token_due, new.taken = self.masked_rows, self.first_token_due, self.taken
+        new.first_token_due, new.taken = self.first_token_due, self.taken
         return new
 
 
@@ -4230,13 +4263,13 @@ def load(server):
                         distribution, adapters=server.adapters, prefix_blocks=args.prefix_cache_blocks,
                         block_tokens=args.prefix_block_tokens)
         if engine.prefix is not None:
-            METRICS.prefix_bytes, METRICS.prefix_blocks = engine.pool_bytes, engine.prefix.blocks
+            METRICS.prefix_bytes, METRICS.prefix_blocks = engine.prefix.pool_bytes, engine.prefix.blocks
             METRICS.prefix_used = engine.prefix.used
         server.memory.stage("adapters and pool")
         server.memory.held = [("weights", METRICS.weight_bytes)] + [
             (f"KV cache batch {batch}", cache_bytes(model, batch, engine.max_length)) for batch in engine.batch_buckets]
         if engine.prefix is not None:
-            server.memory.held.append(("prefix pool", engine.pool_bytes))
+            server.memory.held.append(("prefix pool", engine.prefix.pool_bytes))
         if server.adapters is not None:
             server.memory.held.append((f"{server.adapters.max_adapters} adapter slots",
                                        server.adapters.slot_bytes * server.adapters.max_adapters))
