@@ -2246,15 +2246,18 @@ class DecodeBatch:
             self.first_token_due |= generation.events is not None
 
     def chunk_length(self, steps, quiet):
-        """One token when a streamed request waits for its first token, or while the batch's multi-token
-        programs are still compiling; up to Engine.long_limit() tokens
+        """One token when a streamed request waits for its first token, when no busy row can keep a
+        chunk's later tokens (each has a grammar whose sampler keeps only masked draws), or while the
+        batch's multi-token programs are still compiling; up to Engine.long_limit() tokens
         (decode_until_done) when `quiet` (no request waits), no row streams or has a grammar, and one
         still has more than DECODE_CHUNK tokens to make; DECODE_CHUNK otherwise.
         `steps` forces one of the three (the warm-up compiles each)."""
         busy = [g for g in self.rows if g is not None]
         if steps is not None:
             return steps
-        if not self.engine.chunked or self.first_token_due:
+        if not self.engine.chunked or self.first_token_due or (busy and not any(
+                g.matcher is None or self.grammars.candidates(row, g, self.sampler)
+                for row, g in enumerate(self.rows) if g is not None)):
             return 1
         # Streamed rows keep DECODE_CHUNK: a long chunk would hold back their text for up to LONGEST_CHUNK
         # tokens. Grammar rows do: their masks are made between chunks.

@@ -1,7 +1,7 @@
 """Structured output on the real Gemma 3 270M (CPU, float32, pretrained, not instruction-tuned), one run.
 
     python3 scripts/bench_structured.py [--prompts 50]
-    python3 scripts/bench_structured.py --mixed [--compare OLD_SERVE_PY]
+    python3 scripts/bench_structured.py --mixed|--lone [--compare OLD_SERVE_PY]
 
 1. Extraction: 50 short order descriptions, each to be turned into JSON for a nested schema (objects,
    an array of objects, enums, integers, required fields). The schema is in the prompt either way; the
@@ -14,6 +14,8 @@
    ask for free text (greedy, 96 tokens, ignore_eos) while an eighth asks for free text too, or asks for
    the JSON extraction again and again until the seven are done; the seven's tokens/s both ways, median of
    3 rounds, for this serve.py and (--compare) an older one, side by side in one run.
+4. With --lone: one client, the extraction alone (8 prompts, twice, after a first), and free text; the
+   constrained tokens dropped (drawn past a dispatch's first token and not kept). --compare as in 3.
 """
 import argparse
 import concurrent.futures
@@ -58,7 +60,8 @@ def parse_args():
                    help="transformers-layout Gemma dir (converted from the PyPI GGUF when missing)")
     p.add_argument("--prompts", type=int, default=50)
     p.add_argument("--mixed", action="store_true", help="only part 3: free rows beside a constrained one")
-    p.add_argument("--compare", default=None, metavar="OLD_SERVE_PY", help="with --mixed: also this serve.py")
+    p.add_argument("--lone", action="store_true", help="only part 4: a constrained request alone")
+    p.add_argument("--compare", default=None, metavar="OLD_SERVE_PY", help="with --mixed or --lone: also this serve.py")
     return p.parse_args()
 
 
@@ -157,6 +160,18 @@ def server_at(serve_py, model, env, name):
             server.wait()
 
 
+def main_lone(args, env):
+    prompts = orders(8)
+    sides = [("this serve.py", str(REPO / "serve.py"))] + ([("--compare", args.compare)] if args.compare else [])
+    for name, serve_py in sides:
+        with server_at(serve_py, args.model, env, "lone-" + name.strip("-").split()[-1].replace(".", "_")) as url:
+            throughput(url, prompts[:1], True, 1)  # a first answer
+            rates = [throughput(url, prompts, True, 1)[0] for _ in range(2)]
+            free = throughput(url, prompts[:4], False, 1)[0]
+            print(f"{name}: constrained, one client, tok/s {' / '.join(f'{r:.1f}' for r in rates)}; free text "
+                  f"{free:.1f}; dropped tokens {metric(url, 'serve_grammar_dropped_tokens_total')}", flush=True)
+
+
 def main_mixed(args, env):
     prompts = [f"Instruction:\nWrite about {topic}.\n\nResponse:\n" for topic in
                ("rivers", "trains", "bread", "music", "glass", "winter", "bees", "maps")]
@@ -180,8 +195,8 @@ def main():
     env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3")
     if not (Path(args.model) / "config.json").is_file():
         subprocess.run([sys.executable, str(REPO / "scripts" / "gguf_to_hf.py"), args.model], check=True, env=env)
-    if args.mixed:
-        return main_mixed(args, env)
+    if args.mixed or args.lone:
+        return (main_mixed if args.mixed else main_lone)(args, env)
     prompts = orders(args.prompts)
     with server_at(str(REPO / "serve.py"), args.model, env, "serve") as url:
         compiles = metric(url, "serve_compilations_total")
