@@ -238,9 +238,8 @@ ENGINE_FORMS = [FORMS["json_schema"], FORMS["regex"], FORMS["choice"],
 def test_grammar_rows_keep_multi_token_dispatches_and_answer_as_a_token_a_step(grammar_engine, sampling):
     """A batch of four grammar rows (JSON schema, regex, choice, a tool call) and four free ones decodes
     DECODE_CHUNK tokens a dispatch, masked at each chunk's first token: the free rows make theirs as fast
-    as without a grammar beside them. Each row's tokens
-    are those of the masked draw at every token (the engine held to a token a dispatch), greedy or
-    sampled with a seed."""
+    as without a grammar beside them. Each row's tokens are those of the masked draw at every token (the
+    engine held to a token a dispatch), greedy or sampled with a seed."""
     import llguidance
     engine, tokenizer = grammar_engine
     grammars = [serve.requested_grammar(extra)[1] if "tools" not in extra else extra["tools"]
