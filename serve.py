@@ -1561,6 +1561,7 @@ class Engine:
         self.variables = model.variables
         self.values = [v.value for v in self.variables]
         self.top_logprobs = min(TOP_LOGPROBS, CANDIDATES, model.backbone.vocabulary_size)
+        self.mask_words = -(-self.vocabulary_size // 32)  # a grammar mask's int32 words per row
         self.open_mask_arrays = {}
         self.axes = cache_position_axes(model)
         self.unroll = sum(value.nbytes for value in self.values) >= UNROLL_FROM_BYTES
@@ -1624,7 +1625,7 @@ class Engine:
         """Grammar masks that allow every token, put on the device once per batch size: what a chunk
         without a grammar row takes."""
         if batch not in self.open_mask_arrays:
-            self.open_mask_arrays[batch] = self.put(np.full((batch, -(-self.vocabulary_size // 32)), -1, np.int32))
+            self.open_mask_arrays[batch] = self.put(np.full((batch, self.mask_words), -1, np.int32))
         return self.open_mask_arrays[batch]
 
     def long_limit(self):
@@ -1800,8 +1801,8 @@ Output = collections.namedtuple("Output", "program args pick", defaults=(lambda 
 class WarmUp:
     """Compiles every program an Engine runs, so requests never compile: per batch size, decode over
     each window (a chunk of DECODE_CHUNK tokens, a single token and, in the smallest batch, up to
-    LONG_CHUNK tokens; the first two under grammar masks), an insert for each prompt block and the copies that grow and shrink
-    a batch to its neighbouring sizes; per prompt block, a prefill, and up to GROUP_BLOCK, one per group
+    LONG_CHUNK tokens; the first two under grammar masks), an insert for each prompt block and the
+    copies that grow and shrink a batch to its neighbouring sizes; per prompt block, a prefill, and up to GROUP_BLOCK, one per group
     size; with a prefix cache, per window a gather and a prefill after each prefix length that fits,
     per block a pool write; with adapters, the slot update.
 
@@ -1916,8 +1917,7 @@ class WarmUp:
                 inputs = (feed(int32), feed(int32), feed(int32), engine.feed(np.full(8, -1, int32), replicated=True),
                           engine.feed(int32(LONG_CHUNK), replicated=True))
             else:
-                inputs = (engine.feed(np.full((batch, -(-engine.vocabulary_size // 32)), -1, int32)), feed(int32),
-                          feed(int32))
+                inputs = (engine.open_masks(batch), feed(int32), feed(int32))
             self.decodes[batch, window, steps] = (engine.values, cache, window, steps, *inputs, engine.lora_tables,
                                                   *sampling)
         return self.decodes[batch, window, steps]
@@ -2115,7 +2115,7 @@ class RowGrammars:
 
     def __init__(self, engine, size):
         self.engine = engine
-        self.masks = np.full((size, -(-engine.vocabulary_size // 32)), -1, np.int32)
+        self.masks = np.full((size, engine.mask_words), -1, np.int32)
         self.masked_rows = False  # whether `masks` still holds a grammar's mask
         self.open_masks = engine.open_masks(size)  # on the device: every token allowed, for chunks without a grammar
 
