@@ -384,10 +384,10 @@ def on_compilation(callback):
 
 
 def keep_tensorflow_out():
-    """keras-hub imports TensorFlow whenever it is installed, and serve.py never runs it: the model loads
-    without its preprocessor (load_model) and text goes through SentencePiece. Kept out, it costs no memory
-    (the real Gemma 3 270M's server: see BENCHMARKS.md) and cannot take the GPU's memory from JAX. A None in
-    sys.modules makes `import tensorflow` fail, which keras-hub takes as "not installed"."""
+    """keras-hub imports TensorFlow whenever it is installed, and this script never runs it: the model loads
+    without its task's preprocessor and text goes through SentencePiece. Kept out, it costs no memory (about
+    800 MiB of RSS, see BENCHMARKS.md) and cannot take the GPU's memory from JAX. A None in sys.modules makes
+    `import tensorflow` fail, which keras-hub takes as "not installed"."""
     if "tensorflow" not in sys.modules:
         sys.modules["tensorflow"] = None
 

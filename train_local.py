@@ -600,7 +600,6 @@ def setup_runtime(args):
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         jax.monitoring.register_event_listener(lambda event, **_: COMPILE_CACHE_HITS.__setitem__(
             0, COMPILE_CACHE_HITS[0] + 1) if event.endswith("/cache_hits") else None)
-    keep_tensorflow_off_accelerators()
     import keras
     explicit = any(v is not None for v in (args.coordinator_address, args.num_processes, args.process_id)) or \
         any(os.environ.get(f"KERAS_DISTRIBUTION_{k}") for k in ("JOB_ADDRESSES", "NUM_PROCESSES", "PROCESS_ID"))
@@ -619,13 +618,13 @@ def on_cloud_tpu_vm():
     return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
-def keep_tensorflow_off_accelerators():
-    """keras-hub imports TensorFlow; left alone it grabs GPU memory that JAX needs."""
-    try:
-        import tensorflow as tf
-        tf.config.set_visible_devices([], "GPU")
-    except Exception:  # not installed, or already initialised: nothing to keep off
-        pass
+def keep_tensorflow_out():
+    """keras-hub imports TensorFlow whenever it is installed, and this script never runs it: the model loads
+    without its task's preprocessor and text goes through SentencePiece. Kept out, it costs no memory (about
+    800 MiB of RSS, see BENCHMARKS.md) and cannot take the GPU's memory from JAX. A None in sys.modules makes
+    `import tensorflow` fail, which keras-hub takes as "not installed"."""
+    if "tensorflow" not in sys.modules:
+        sys.modules["tensorflow"] = None
 
 
 def setup_distribution(args, preset):
@@ -689,12 +688,31 @@ def layout_map_for(preset, mesh, model_axis):
 
 
 def load_model(args):
-    import keras_hub
     kwargs = {"dtype": args.dtype} if args.dtype else {}
     try:
-        return keras_hub.models.CausalLM.from_preset(args.model, **kwargs)
+        return load_causal_lm(args.model, **kwargs)
     except Exception as e:
         raise UserError(explain_load_error(args.model, e)) from None
+
+
+def load_causal_lm(preset, **kwargs):
+    """keras-hub's CausalLM without the task's own preprocessor: it serves keras-hub's generate() and tf.data,
+    and some (Gemma 3's) refuse to exist without TensorFlow. A plain one holds the tokenizer, all this script
+    reads (save_preset keeps it out of what is saved)."""
+    import keras_hub
+    model = keras_hub.models.CausalLM.from_preset(preset, preprocessor=None, **kwargs)
+    model.preprocessor = keras_hub.models.CausalLMPreprocessor(tokenizer=keras_hub.tokenizers.Tokenizer.from_preset(
+        preset))
+    return model
+
+
+def save_preset(model, out):
+    """The Keras preset: config, weights and tokenizer. Without task.json and preprocessor.json, which would
+    name load_causal_lm's plain preprocessor: keras-hub's from_preset then builds the task and its own
+    preprocessor from the backbone and the tokenizer, as it does for a transformers-layout dir."""
+    model.save_to_preset(str(out))
+    for name in ("task.json", "preprocessor.json"):
+        (Path(out) / name).unlink(missing_ok=True)
 
 
 def quantize_base(model, mode):
@@ -895,11 +913,10 @@ def fresh_dir(path):
 def export(model_dir, formats):
     """--export: from what model_dir holds (its merged preset, adapter and record), so a finished run and
     --export-only take the same path."""
-    import keras_hub
     record = json.loads((model_dir / RUN_RECORD).read_text())
     started = time.time()
     try:
-        model = keras_hub.models.CausalLM.from_preset(str(model_dir))
+        model = load_causal_lm(str(model_dir))
     except Exception as e:
         raise UserError(explain_load_error(str(model_dir), e)) from None
     if "peft" in formats:
@@ -1338,6 +1355,7 @@ def describe_steps(steps, buckets, accumulation):
 
 
 def main(argv=None):
+    keep_tensorflow_out()  # before anything imports keras-hub
     args = parse_args(argv)
     started = time.time()
     setup_runtime(args)
@@ -1473,7 +1491,7 @@ def main(argv=None):
         model.backbone.save_lora_weights(str(work_dir / ADAPTER_FILE))
         if args.quantize != "none":
             model = merged_on_original_base(args, work_dir / ADAPTER_FILE)
-        model.save_to_preset(str(work_dir))
+        save_preset(model, work_dir)
         (work_dir / RUN_RECORD).write_text(json.dumps(record, indent=2))
         plotted = optional_artefact("loss.png", write_loss_plot, work_dir / "loss.png", history, progress["evals"],
                                     eval_before)
