@@ -76,9 +76,12 @@ DECODE_CHUNK = 4  # tokens decoded per dispatch to the device
 LONG_CHUNK, LONGEST_CHUNK, LONG_CHUNK_SECONDS = 16, 64, 0.02
 UNROLL_FROM_BYTES = 64 << 20  # weights from which a decode chunk is unrolled (see decode_chunk)
 # Prompts of up to GROUP_BLOCK tokens that are admitted together are prefilled in groups of these sizes
-# (see prefill_group); a batch smaller than a size never uses it.
+# (see prefill_group); a batch smaller than a size never uses it. On a CPU, whose prefills are compute-bound
+# from fewer tokens, only up to GROUP_BLOCK_CPU: Gemma 3 270M on 2 cores, grouped against one by one, gained
+# 1.1-3.6x in blocks of 16-64 tokens but 0.80-1.09x (int8) and 1.01-1.39x (float32) in blocks of 128, where
+# each group size's program costs its compiling and some 36 MiB of RSS (BENCHMARKS.md, issue #35).
 PREFILL_GROUPS = (2, 4, 8)
-GROUP_BLOCK = 128
+GROUP_BLOCK, GROUP_BLOCK_CPU = 128, 64
 SAMPLER_DEFAULTS = {  # keras-hub's samplers' defaults: the article's "top_k" is TopKSampler(k=5)
     "greedy": {"temperature": 0.0, "top_k": CANDIDATES, "top_p": 1.0},
     "top_k": {"temperature": 1.0, "top_k": 5, "top_p": 1.0},
@@ -502,9 +505,11 @@ def release_freed_memory():
         pass
 
 
-def load_model(args, memory=None):
+def load_model(args, memory=None, alone=False):
     """The preset in the dtype asked for (auto: as saved), quantized if asked; errors explained in one line.
-    `memory`: a MemoryLog to note each step's RSS in."""
+    `memory`: a MemoryLog to note each step's RSS in. `alone`: nothing else in the process has compiled
+    programs to keep (the server), so JAX's caches can be emptied of what loading compiled."""
+    import jax
     import keras_hub
     try:
         dtype = saved_dtype(args.model) if args.dtype == "auto" else args.dtype
@@ -516,6 +521,10 @@ def load_model(args, memory=None):
     except Exception as e:
         raise LoadError(explain_load_error(args.model, e).replace("\n", " ")) from None
     shapes = lora_kernel_shapes(model.backbone) if hasattr(model.backbone, "transformer_layers") else {}
+    # Each array operation of loading ran eagerly: a small program, compiled and kept in JAX's caches, that
+    # serving never runs again (Gemma 3 270M: 33 MiB of RSS; 76 MiB more after quantizing to int8).
+    if alone:
+        jax.clear_caches()
     release_freed_memory()  # the converter's and loader's copies of the weights
     if memory is not None:
         memory.stage("model loaded")
@@ -534,6 +543,8 @@ def load_model(args, memory=None):
         except Exception as e:
             raise LoadError(f"--quantize {args.quantize}: {type(model.backbone).__name__} cannot be quantized so: "
                             f"{type(e).__name__}: {str(e).splitlines()[0][:300]}") from None
+        if alone:
+            jax.clear_caches()  # quantizing's eager programs, as loading's above
         release_freed_memory()
         if memory is not None:
             memory.stage("quantized")
@@ -1576,7 +1587,8 @@ class Engine:
                                              out_shardings=rows)
         self._prefill_group = jax.jit(bound(prefill_group, model, self.variables, adapters), out_shardings=rows)
         self.group_sizes = [g for g in PREFILL_GROUPS if g <= batch_buckets[-1]]
-        self.group_blocks = [b for b in self.prompt_blocks if b <= GROUP_BLOCK]
+        group_block = GROUP_BLOCK_CPU if jax.default_backend() == "cpu" else GROUP_BLOCK
+        self.group_blocks = [b for b in self.prompt_blocks if b <= group_block]
         # What requests may use: WarmUp narrows these while it compiles and widens them part by part.
         # `chunked`: the smallest batch's multi-token decodes exist (until then it decodes a token a step).
         self.ready_batches, self.grouping, self.chunked = list(batch_buckets), bool(self.group_sizes), True
@@ -1716,9 +1728,10 @@ class Engine:
 
     def prefill_rows(self, generations):
         """prefill_row for each of `generations`, which arrived together. Prompts that reuse no cached
-        prefix and fit a block of up to GROUP_BLOCK tokens are prefilled in groups of one block length
-        (prefill_group), the largest of group_sizes that fits first. A prompt that shares its first block
-        with an earlier one of these waits until that one is in the pool, and reuses it."""
+        prefix and fit one of group_blocks (up to GROUP_BLOCK tokens; on a CPU GROUP_BLOCK_CPU) are
+        prefilled in groups of one block length (prefill_group), the largest of group_sizes that fits
+        first. A prompt that shares its first block with an earlier one of these waits until that one is
+        in the pool, and reuses it."""
         done, groups, after, firsts = {}, collections.defaultdict(list), [], set()
         twins, copies = {}, []  # the n answers to one prompt: one prefill, its row copied into each
         for generation in generations:
@@ -1802,9 +1815,9 @@ class WarmUp:
     """Compiles every program an Engine runs, so requests never compile: per batch size, decode over
     each window (a chunk of DECODE_CHUNK tokens, a single token and, in the smallest batch, up to
     LONG_CHUNK tokens; the first two under grammar masks), an insert for each prompt block and the
-    copies that grow and shrink a batch to its neighbouring sizes; per prompt block, a prefill, and up to GROUP_BLOCK, one per group
-    size; with a prefix cache, per window a gather and a prefill after each prefix length that fits,
-    per block a pool write; with adapters, the slot update.
+    copies that grow and shrink a batch to its neighbouring sizes; per prompt block, a prefill, and per
+    block of group_blocks, one per group size; with a prefix cache, per window a gather and a prefill
+    after each prefix length that fits, per block a pool write; with adapters, the slot update.
 
     first() compiles what the smallest batch needs to answer, a token a step (its one-token decodes,
     inserts and prefills), and runs each of those programs once: the server can answer after it. rest()
@@ -4250,7 +4263,7 @@ def load(server):
         on_compilation(count_compilation)
         distribution, batch_axis = setup_distribution(args)
         started = time.time()
-        model, dtype, server.kernel_shapes = load_model(args, server.memory)
+        model, dtype, server.kernel_shapes = load_model(args, server.memory, alone=True)
         server.template = read_prompt_template(args.model, model.preprocessor.tokenizer.get_vocabulary())
         METRICS.weight_bytes = sum(v.value.nbytes for v in model.weights)
         METRICS.weights = {"dtype": dtype, "quantize": args.quantize}
