@@ -3897,6 +3897,30 @@ def refuse_connection(connection, limit):
         connection.close()
 
 
+def record_request(method, path, status, started, gens, request_id):
+    """A finished request in /metrics and, when it generated or failed, one log line: with its tokens,
+    queue wait, speed and finish reasons when it generated."""
+    elapsed = time.time() - started
+    METRICS.observe_request(path if path in ROUTES else "other", status, elapsed if gens else None)
+    if not gens and (status < 400 or path == "/health"):
+        return
+    line = f"{method} {path} {status} {elapsed * 1000:.0f}ms id={request_id}"
+    if gens:
+        counts = usage(gens)
+        prompt_tokens, completion_tokens = counts["prompt_tokens"], counts["completion_tokens"]
+        cached = counts["prompt_tokens_details"]["cached_tokens"]
+        METRICS.add("prompt_tokens", prompt_tokens)
+        METRICS.add("cached_prompt_tokens", cached)
+        METRICS.add("generated_tokens", completion_tokens)
+        METRICS.observe_model(gens[0].model, completion_tokens)
+        queue_wait = max((g.started or time.time()) - g.enqueued for g in gens)
+        reasons = ",".join(sorted({g.finish_reason or "cancelled" for g in gens}))
+        line += (f" prompt={prompt_tokens} cached={cached} completion={completion_tokens} "
+                 f"queue={queue_wait * 1000:.0f}ms {completion_tokens / max(elapsed, 1e-9):.1f} tok/s "
+                 f"finish={reasons}")
+    log(line)
+
+
 class Handler(BaseHTTPRequestHandler):
     """One connection's requests, in turn: read, route, write, log, count."""
     server_version = "gemma-lora-serve"
@@ -3987,17 +4011,7 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
         elif not self.body_read:
             self.discard_body()
-        generating = bool(self.generations)
-        METRICS.observe_request(path if path in ROUTES else "other", status,
-                                time.time() - started if generating else None)
-        if generating:
-            counts = usage(self.generations)
-            METRICS.add("prompt_tokens", counts["prompt_tokens"])
-            METRICS.add("cached_prompt_tokens", counts["prompt_tokens_details"]["cached_tokens"])
-            METRICS.add("generated_tokens", counts["completion_tokens"])
-            METRICS.observe_model(self.generations[0].model, counts["completion_tokens"])
-        if generating or (status >= 400 and path != "/health"):
-            self.log_request_line(method, path, status, started)
+        record_request(method, path, status, started, self.generations, self.rid())
 
     def route(self, app, method, path):
         methods = ROUTES.get(path)
@@ -4016,19 +4030,6 @@ class Handler(BaseHTTPRequestHandler):
                                            f"Bearer {key}".encode()):
             raise RequestError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                                "authentication_error", {"WWW-Authenticate": "Bearer"})
-
-    def log_request_line(self, method, path, status, started):
-        elapsed = time.time() - started
-        line = f"{method} {path} {status} {elapsed * 1000:.0f}ms id={self.rid()}"
-        if self.generations:
-            gens, counts = self.generations, usage(self.generations)
-            prompt_tokens, completion_tokens = counts["prompt_tokens"], counts["completion_tokens"]
-            queue_wait = max((g.started or time.time()) - g.enqueued for g in gens)
-            reasons = ",".join(sorted({g.finish_reason or "cancelled" for g in gens}))
-            line += (f" prompt={prompt_tokens} cached={counts['prompt_tokens_details']['cached_tokens']} "
-                     f"completion={completion_tokens} queue={queue_wait * 1000:.0f}ms "
-                     f"{completion_tokens / max(elapsed, 1e-9):.1f} tok/s finish={reasons}")
-        log(line)
 
     # -------------------------------------------------------------- reading
     def json(self):
