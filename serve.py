@@ -510,14 +510,9 @@ def load_model(args, memory=None, alone=False):
     `memory`: a MemoryLog to note each step's RSS in. `alone`: nothing else in the process has compiled
     programs to keep (the server), so JAX's caches can be emptied of what loading compiled."""
     import jax
-    import keras_hub
     try:
         dtype = saved_dtype(args.model) if args.dtype == "auto" else args.dtype
-        # Without the task's own preprocessor: it serves keras-hub's generate() and tf.data, and some (Gemma
-        # 3's) refuse to exist without TensorFlow. A plain one holds the tokenizer, which is all serve.py reads.
-        model = keras_hub.models.CausalLM.from_preset(args.model, dtype=dtype, preprocessor=None)
-        model.preprocessor = keras_hub.models.CausalLMPreprocessor(
-            tokenizer=keras_hub.tokenizers.Tokenizer.from_preset(args.model))
+        model = load_causal_lm(args.model, dtype=dtype)
     except Exception as e:
         raise LoadError(explain_load_error(args.model, e).replace("\n", " ")) from None
     shapes = lora_kernel_shapes(model.backbone) if hasattr(model.backbone, "transformer_layers") else {}
@@ -549,6 +544,17 @@ def load_model(args, memory=None, alone=False):
         if memory is not None:
             memory.stage("quantized")
     return model, dtype, shapes
+
+
+def load_causal_lm(preset, **kwargs):
+    """keras-hub's CausalLM without the task's own preprocessor: it serves keras-hub's generate() and tf.data,
+    and some (Gemma 3's) refuse to exist without TensorFlow. A plain one holds the tokenizer, all this script
+    reads."""
+    import keras_hub
+    model = keras_hub.models.CausalLM.from_preset(preset, preprocessor=None, **kwargs)
+    model.preprocessor = keras_hub.models.CausalLMPreprocessor(tokenizer=keras_hub.tokenizers.Tokenizer.from_preset(
+        preset))
+    return model
 
 
 class LoadError(Exception):

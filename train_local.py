@@ -698,7 +698,7 @@ def load_model(args):
 def load_causal_lm(preset, **kwargs):
     """keras-hub's CausalLM without the task's own preprocessor: it serves keras-hub's generate() and tf.data,
     and some (Gemma 3's) refuse to exist without TensorFlow. A plain one holds the tokenizer, all this script
-    reads (save_preset keeps it out of what is saved)."""
+    reads."""
     import keras_hub
     model = keras_hub.models.CausalLM.from_preset(preset, preprocessor=None, **kwargs)
     model.preprocessor = keras_hub.models.CausalLMPreprocessor(tokenizer=keras_hub.tokenizers.Tokenizer.from_preset(
