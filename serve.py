@@ -32,6 +32,7 @@ import queue
 import random
 import re
 import select
+import shutil
 import selectors
 import signal
 import socket
@@ -40,6 +41,7 @@ import sys
 import threading
 import time
 import uuid
+import weakref
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -893,7 +895,7 @@ class AdapterSlots:
         self.refs = [0] * (max_adapters + 1)
         self.lock = threading.Lock()
         self.active = {}  # while one row is traced: "layer.module" -> its (down, up)
-        self._write = jax.jit(lambda tables, slot, new: jax.tree.map(
+        self._write = Program(lambda tables, slot, new: jax.tree.map(
             lambda table, value: jax.lax.dynamic_update_index_in_dim(table, value, slot, 0), tables, new))
 
     def attach(self, layer, key, equation, ins, outs):
@@ -1007,6 +1009,55 @@ def with_adapter(adapters, tables, slot, fn):
         return fn()
 
 
+def signature(args):
+    """What tells one program's calls apart: each argument's shape and dtype (a container's by its first
+    leaf), a static argument by its value. A dispatch computes it, so it is cheap, and as fine as the
+    engine's programs need: they differ in batch, window, block or steps, all of which show in those."""
+    return tuple(shape_of(a) for a in args)
+
+
+def shape_of(a):
+    while isinstance(a, (list, tuple, dict)) and a:
+        a = next(iter(a.values())) if isinstance(a, dict) else a[0]
+    if isinstance(a, (list, tuple, dict)):
+        return ()
+    shape = getattr(a, "shape", None)
+    return a if shape is None else (tuple(shape), np.dtype(a.dtype))
+
+
+class Program:
+    """One of the engine's jitted programs, and the executables a ProgramStore loaded for it, by call
+    signature: a call runs the loaded executable that matches it, else the jit, whose own caches hold
+    what the warm-up compiled. A loaded executable was never traced in this process: a restart skips
+    tracing, which a warm-up does one program at a time (see ProgramStore)."""
+
+    def __init__(self, fn, static_argnums=(), **jit_options):
+        import jax
+        self.jitted = jax.jit(fn, static_argnums=static_argnums, **jit_options)
+        self.static = tuple(static_argnums)
+        self.loaded = {}
+
+    def __call__(self, *args):
+        if self.loaded:
+            executable = self.loaded.get(signature(args))
+            if executable is not None:
+                return executable(*(a for i, a in enumerate(args) if i not in self.static))
+        return self.jitted(*args)
+
+    def lower(self, *args):
+        return self.jitted.lower(*args)
+
+    def statics(self, args):
+        return {i: args[i] for i in self.static}
+
+    def add(self, executable, statics):
+        """Takes a loaded executable for the calls it was compiled for: their dynamic arguments are its
+        inputs, the static ones `statics` (position -> value)."""
+        dynamic = iter(executable.in_avals[0])
+        count = len(statics) + len(executable.in_avals[0])
+        self.loaded[signature([statics[i] if i in statics else next(dynamic) for i in range(count)])] = executable
+
+
 def stacks_its_cache(model):
     """Gemma 1/2: keras-hub keeps every layer's cache in one stacked array."""
     import keras_hub
@@ -1052,10 +1103,31 @@ def prompt_cache(model, token_ids):
     return build_cache(model, token_ids), token_ids
 
 
+CACHE_TEMPLATES = weakref.WeakKeyDictionary()  # model -> (its one-row abstract cache of 8 positions, position axes)
+
+
+def cache_template(model):
+    """A model's abstract cache of one row and 8 positions, and each leaf's position axis: traced once per
+    model (each trace runs the model's prefill abstractly, 0.45 s for Gemma 3 270M on a CPU), where an
+    engine asks for a dozen shapes on the start-up path. The axes are the ones that grow with the length,
+    after the batch axis, which must be the first."""
+    if model not in CACHE_TEMPLATES:
+        import jax
+        import jax.numpy as jnp
+        one, two = (jax.eval_shape(functools.partial(prompt_cache, model), jax.ShapeDtypeStruct(size, jnp.int32))
+                    for size in ((1, 8), (2, 16)))
+        if any(a.shape[0] != 1 or b.shape[0] != 2 for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(two))):
+            raise ValueError(f"{type(model).__name__}'s cache is not batch-major; serve.py cannot batch it")
+        CACHE_TEMPLATES[model] = one, jax.tree.map(
+            lambda a, b: next(i for i, (m, n) in enumerate(zip(a.shape, b.shape)) if i and m != n), one, two)
+    return CACHE_TEMPLATES[model]
+
+
 def cache_shapes(model, batch, length):
     import jax
-    import jax.numpy as jnp
-    return jax.eval_shape(functools.partial(prompt_cache, model), jax.ShapeDtypeStruct((batch, length), jnp.int32))
+    one, axes = cache_template(model)
+    return jax.tree.map(lambda s, axis: jax.ShapeDtypeStruct(
+        (batch,) + s.shape[1:axis] + (length,) + s.shape[axis + 1:], s.dtype), one, axes)
 
 
 def cache_bytes(model, batch, length):
@@ -1064,13 +1136,8 @@ def cache_bytes(model, batch, length):
 
 
 def cache_position_axes(model):
-    """Each cache leaf's position axis, found by comparing abstract caches of two lengths."""
-    import jax
-    one, two, longer = cache_shapes(model, 1, 8), cache_shapes(model, 2, 8), cache_shapes(model, 1, 16)
-    if any(a.shape[0] != 1 or b.shape[0] != 2 for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(two))):
-        raise ValueError(f"{type(model).__name__}'s cache is not batch-major; serve.py cannot batch it")
-    return jax.tree.map(lambda a, b: next(i for i, (m, n) in enumerate(zip(a.shape, b.shape)) if m != n),
-                        one, longer)
+    """Each cache leaf's position axis."""
+    return cache_template(model)[1]
 
 
 def prefill(model, variables, adapters, values, token_ids, tables, slot):
@@ -1475,8 +1542,8 @@ class PrefixPool(PrefixCache):
         self.engine = engine
         self.pool = self.empty()
         self.pool_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(self.pool)) * blocks // (blocks + 1)
-        self.gather_program = jax.jit(functools.partial(gather_blocks, engine.axes), out_shardings=rows)
-        self.store_program = jax.jit(functools.partial(store_blocks, engine.axes), donate_argnums=(0,))
+        self.gather_program = Program(functools.partial(gather_blocks, engine.axes), out_shardings=rows)
+        self.store_program = Program(functools.partial(store_blocks, engine.axes), donate_argnums=(0,))
 
     def empty(self):
         import jax
@@ -1588,10 +1655,10 @@ class Engine:
         # layout, whichever program made it (a lone prefill, a group's, the pool's gather).
         rows = None if distribution is None else jax.sharding.NamedSharding(
             distribution.device_mesh.backend_mesh, jax.sharding.PartitionSpec())
-        self._prefill = jax.jit(bound(prefill, model, self.variables, adapters), out_shardings=rows)
-        self._prefill_after_prefix = jax.jit(bound(prefill_after_prefix, model, self.variables, adapters),
+        self._prefill = Program(bound(prefill, model, self.variables, adapters), out_shardings=rows)
+        self._prefill_after_prefix = Program(bound(prefill_after_prefix, model, self.variables, adapters),
                                              out_shardings=rows)
-        self._prefill_group = jax.jit(bound(prefill_group, model, self.variables, adapters), out_shardings=rows)
+        self._prefill_group = Program(bound(prefill_group, model, self.variables, adapters), out_shardings=rows)
         self.group_sizes = [g for g in PREFILL_GROUPS if g <= batch_buckets[-1]]
         group_block = GROUP_BLOCK_CPU if jax.default_backend() == "cpu" else GROUP_BLOCK
         self.group_blocks = [b for b in self.prompt_blocks if b <= group_block]
@@ -1620,7 +1687,7 @@ class Engine:
         import jax.numpy as jnp
         shapes, layout = self.cache_layout(batch)
         at = self.batch_buckets.index(batch)
-        new_cache = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), out_shardings=layout)
+        new_cache = Program(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), out_shardings=layout)
 
         rows = None if self.distribution is None else self.distribution.get_data_layout((batch,)).backend_layout
         # A chunk's tokens [steps, batch] split as the rows are: next_tokens reads them, and the warm-up
@@ -1629,14 +1696,14 @@ class Engine:
             None, *rows.spec))
 
         def decoder(fn, sampled=None):  # (values, cache, window, steps, ...) -> (outputs, cache), the cache donated
-            return jax.jit(functools.partial(fn, self.model, self.variables, self.adapters, self.axes, self.unroll),
+            return Program(functools.partial(fn, self.model, self.variables, self.adapters, self.axes, self.unroll),
                            static_argnums=(2, 3), donate_argnums=(1,), out_shardings=((sampled, None), layout))
         return BatchPrograms(
-            new_cache, jax.jit(functools.partial(insert, self.axes), donate_argnums=(0,), out_shardings=layout),
+            new_cache, Program(functools.partial(insert, self.axes), donate_argnums=(0,), out_shardings=layout),
             decoder(decode_chunk, tokens), decoder(decode_until_done) if long else None,
-            jax.jit(next_tokens, out_shardings=rows),
+            Program(next_tokens, out_shardings=rows),
             # Copies of chosen rows into a batch of the next smaller or larger size, in that size's layout.
-            {size: jax.jit(resize_cache, out_shardings=self.cache_layout(size)[1])
+            {size: Program(resize_cache, out_shardings=self.cache_layout(size)[1])
              for size in self.batch_buckets[max(at - 1, 0):at] + self.batch_buckets[at + 1:at + 2]})
 
     def open_masks(self, batch):
@@ -1833,17 +1900,20 @@ class WarmUp:
     thread. The multi-token decodes are the slowest programs to compile (unrolled, or a loop of chunks):
     left out of first(), they no longer hold back the first answer."""
 
-    def __init__(self, engine, threads=None):
+    def __init__(self, engine, threads=None, store=None):
         self.engine = engine
-        self.threads = threads or min(os.cpu_count() or 1, 16)
-        self.compiled = []  # (program, seconds to trace and lower, seconds to compile)
+        self.build = Builder(threads or min(os.cpu_count() or 1, 16), store)
         self.pending = []  # the parts rest() has still to compile, by name (for /health and /metrics)
         self.prefix = engine.prefix  # held back from the Engine until its programs exist
         # One arguments object per prompt block and per (program, arguments) one lowering, however often used.
         self.prefills = {block: Output(engine._prefill, (engine.values, engine.tokens([[engine.bos]], block),
                                                          engine.lora_tables, np.int32(0)))
                          for block in engine.prompt_blocks}
-        self.lowered, self.decodes, self.caches = {}, {}, {}
+        self.decodes, self.caches = {}, {}
+
+    @property
+    def compiled(self):
+        return self.build.compiled
 
     def run(self):
         """Everything, in this thread."""
@@ -1855,11 +1925,11 @@ class WarmUp:
         smallest = engine.batch_buckets[0]
         engine.ready_batches, engine.grouping, engine.prefix, engine.chunked = [smallest], False, None, False
         self.pending = self.parts()
-        self.compile(self.prefill_calls() + self.batch_calls(smallest, chunks=False))
+        self.build.run(self.prefill_calls() + self.batch_calls(smallest, chunks=False) + self.adapter_calls())
         self.decode(smallest)
-        log(f"warm-up: batch {smallest}: compiled decode over windows {','.join(map(str, engine.length_buckets))}"
+        log(f"warm-up: batch {smallest}: decode over windows {','.join(map(str, engine.length_buckets))}"
             f" and prompt blocks {','.join(map(str, engine.prompt_blocks))} in {time.time() - started:.1f}s"
-            f" ({len(self.compiled)} programs on {self.threads} threads, a token a step for now)"
+            f" ({self.build.counts()}, a token a step for now)"
             f"{'; still to compile: ' + ', '.join(self.pending) if self.pending else ''}")
         self.adapter_slots()
 
@@ -1892,17 +1962,14 @@ class WarmUp:
                 self.pending.remove(part)
                 log(f"warm-up: {self.describe(part)} ready after {time.time() - started:.1f}s more")
         parts, queued = list(self.pending), []
-        with ThreadPoolExecutor(self.threads, thread_name_prefix="warm-up") as pool:
+        with ThreadPoolExecutor(self.build.threads, thread_name_prefix="warm-up") as pool:
             # Each part is traced and queued while the ones before it compile: the compiler threads stay busy.
             for part in parts:
-                queued.append((part, self.submit(pool, work[part]())))
+                queued.append((part, self.build.submit(pool, work[part]())))
                 take_effect(queued, wait=False)
             take_effect(queued, wait=True)
         if parts:
-            log(f"warm-up: compiled {len(self.compiled)} programs on {self.threads} threads "
-                f"({sum(c for _, _, c in self.compiled):.1f}s of compiling, "
-                f"{sum(t for _, t, _ in self.compiled):.1f}s of tracing; the slowest, "
-                f"{max(self.compiled, key=lambda c: c[2])[0]}: {max(c for _, _, c in self.compiled):.1f}s)")
+            log(f"warm-up: {self.build.counts()}{self.build.times()}")
 
     def describe(self, part):
         engine = self.engine
@@ -2007,34 +2074,6 @@ class WarmUp:
                                       [[engine.bos]], suffix), int32(size), engine.lora_tables, int32(0))))
         return calls
 
-    def submit(self, pool, calls):
-        """Lowers each call here, one at a time (tracing runs Python, under the GIL, and briefly patches the
-        model's layers), and queues its compiling on `pool`: XLA's compiler releases the GIL. A compiled
-        program lands in its jit's caches, so the call that runs it later compiles nothing. An Output
-        argument stands for that program's output, as an abstract value. Returns the futures."""
-        lowered, jobs = self.lowered, []
-
-        def lower(program, args):  # once per (program, args) object: an Output's program is also a call
-            if (id(program), id(args)) not in lowered:
-                lowered[id(program), id(args)] = program.lower(
-                    *(a.pick(lower(a.program, a.args).out_info) if isinstance(a, Output) else a for a in args))
-            return lowered[id(program), id(args)]
-
-        def compile_one(name, program, trace_seconds):
-            began = time.time()
-            program.compile()
-            self.compiled.append((name, trace_seconds, time.time() - began))
-        for name, program, args in calls:
-            began = time.time()
-            jobs.append(pool.submit(compile_one, name, lower(program, args), time.time() - began))
-        return jobs
-
-    def compile(self, calls):
-        from concurrent.futures import ThreadPoolExecutor
-        with ThreadPoolExecutor(self.threads, thread_name_prefix="warm-up") as pool:
-            for job in self.submit(pool, calls):
-                job.result()
-
     def decode(self, batch):
         """Runs the batch's programs once each (compiled above): a first run can still cost, e.g. the
         device's memory for the cache."""
@@ -2053,15 +2092,194 @@ class WarmUp:
                 decoding.step(engine.length_buckets[0], DECODE_CHUNK)
             decoding.settle()
 
+    def adapter_calls(self):
+        """The slot update adapters are loaded with."""
+        slots = self.engine.adapters
+        return [] if slots is None else [("adapter slot update", slots._write, self.empty_slot())]
+
+    def empty_slot(self):
+        import jax
+        slots = self.engine.adapters
+        return slots.tables, np.int32(0), slots.put(jax.tree.map(lambda t: np.zeros(t.shape[1:], t.dtype), slots.tables))
+
     def adapter_slots(self):
         slots = self.engine.adapters
         if slots is None:
             return
-        import jax  # the slot update adapters are loaded with, on a copy (the tables stay)
-        empty = jax.tree.map(lambda t: np.zeros(t.shape[1:], t.dtype), slots.tables)
-        jax.block_until_ready(slots._write(slots.tables, np.int32(0), slots.put(empty)))
+        import jax  # run once, on a copy (the tables stay)
+        jax.block_until_ready(slots._write(*self.empty_slot()))
         log(f"warm-up: {slots.max_adapters} adapter slots of rank {slots.max_rank} on "
             f"{','.join(slots.modules)}: {slots.slot_bytes / 2**20:,.1f} MiB each")
+
+
+class Builder:
+    """Makes the warm-up's programs exist. Each call (name, Program, arguments) is loaded from the
+    ProgramStore when it holds it; else it is lowered here, one at a time (tracing runs Python, under the
+    GIL, and briefly patches the model's layers), compiled on a thread pool (XLA's compiler releases the
+    GIL) and saved to the store. A compiled program lands in its jit's caches and a loaded one in its
+    Program, so the call that runs it later compiles nothing. An Output argument stands for that
+    program's output, as an abstract value. Keeps each program's times."""
+
+    def __init__(self, threads, store=None):
+        self.threads, self.store = threads, store
+        self.compiled = []  # (program, seconds to trace and lower, seconds to compile)
+        self.loaded = []  # (program, seconds to load)
+        self.lowered = {}  # one lowering per (program, arguments) object, however often used
+        self.tracing = threading.RLock()  # an Output's program is lowered inside its consumer's lowering
+
+    def lower(self, program, args):
+        with self.tracing:
+            if (id(program), id(args)) not in self.lowered:
+                self.lowered[id(program), id(args)] = program.lower(
+                    *(a.pick(self.lower(a.program, a.args).out_info) if isinstance(a, Output) else a for a in args))
+            return self.lowered[id(program), id(args)]
+
+    def submit(self, pool, calls):
+        """Queues each call's loading or compiling on `pool`; returns the futures."""
+        jobs = []
+        for name, program, args in calls:
+            if self.store is not None and self.store.has(name):
+                jobs.append(pool.submit(self.load_one, name, program, args))
+            else:
+                began = time.time()
+                jobs.append(pool.submit(self.compile_one, name, program, args, self.lower(program, args),
+                                        time.time() - began))
+        return jobs
+
+    def load_one(self, name, program, args):
+        began = time.time()
+        if self.store.load(name, program):
+            self.loaded.append((name, time.time() - began))
+        else:  # unreadable (and removed): compiled as on a first start
+            began = time.time()
+            self.compile_one(name, program, args, self.lower(program, args), time.time() - began)
+
+    def compile_one(self, name, program, args, lowered, trace_seconds):
+        began = time.time()
+        XLA_CACHE.hit = False
+        compiled = lowered.compile()
+        self.compiled.append((name, trace_seconds, time.time() - began))
+        if self.store is not None and not (XLA_CACHE.hit and self.store.cpu):
+            self.store.save(name, compiled, program.statics(args))
+
+    def run(self, calls):
+        """Every call's program, before this returns."""
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="warm-up") as pool:
+            for job in self.submit(pool, calls):
+                job.result()
+
+    def counts(self):
+        loaded, compiled, where = len(self.loaded), len(self.compiled), f"compiled on {self.threads} threads"
+        if loaded and compiled:
+            return f"{loaded + compiled} programs: {loaded} loaded from the program store, {compiled} {where}"
+        return f"{loaded + compiled} programs {'loaded from the program store' if loaded else where}"
+
+    def times(self):
+        parts = []
+        if self.compiled:
+            slowest = max(self.compiled, key=lambda c: c[2])
+            parts.append(f"{sum(c for _, _, c in self.compiled):.1f}s of compiling, "
+                         f"{sum(t for _, t, _ in self.compiled):.1f}s of tracing; the slowest, {slowest[0]}: "
+                         f"{slowest[2]:.1f}s")
+        if self.loaded:
+            parts.append(f"{sum(t for _, t in self.loaded):.1f}s of loading")
+        return f": {'; '.join(parts)}" if parts else ""
+
+
+# Whether this thread's last compile was a hit in XLA's persistent cache (see watch_xla_cache).
+XLA_CACHE = threading.local()
+
+
+def watch_xla_cache():
+    """Counts XLA's persistent-cache hits (METRICS) and marks them in the compiling thread (XLA_CACHE), where
+    JAX reports them."""
+    import jax.monitoring
+
+    def on_event(event, **_):
+        if event == "/jax/compilation_cache/cache_hits":
+            METRICS.add("compile_cache_hits")
+            XLA_CACHE.hit = True
+    jax.monitoring.register_event_listener(on_event)
+
+
+class ProgramStore:
+    """The warm-up's compiled programs on disk (under --compile-cache), each by its name in a folder named
+    by a hash of all that shapes them: serve.py's own text, the versions of JAX, jaxlib, Keras and
+    keras-hub, the devices and XLA's flags, the model's architecture and its variables' paths, shapes and
+    dtypes, the adapter tables, and the engine's sizes (batch sizes, windows, blocks, stop tokens). A
+    restart with all of those the same loads every program instead of tracing and compiling it: XLA's own
+    cache saves the compiling but not the tracing, which runs one program at a time (on a TPU, 57-85 s of
+    a restart's warm-up). A changed model, dtype or flag hashes to a new folder, never a stale program;
+    the KEEP most recently used folders stay. A file that does not load is removed and compiled anew.
+
+    On a CPU, a program that XLA's cache handed back is not stored: XLA's CPU backend serializes such an
+    executable without its machine code (it then fails at its first run: "Function ... not found"). It is
+    stored once it is compiled anew, e.g. after XLA's cache is emptied."""
+
+    KEEP = 4
+
+    def __init__(self, root, engine):
+        import jax
+        root, self.cpu = Path(root), jax.default_backend() == "cpu"
+        key = hashlib.sha256(json.dumps(program_fingerprint(engine), sort_keys=True, default=str).encode())
+        self.dir = root / key.hexdigest()[:24]
+        self.dir.mkdir(parents=True, exist_ok=True)
+        os.utime(self.dir)  # most recently used, for the pruning below
+        folders = sorted((d for d in root.iterdir() if d.is_dir()), key=lambda d: d.stat().st_mtime, reverse=True)
+        for stale in folders[self.KEEP:]:
+            shutil.rmtree(stale, ignore_errors=True)
+
+    def path(self, name):
+        return self.dir / (name.replace(" ", "-") + ".xla")
+
+    def has(self, name):
+        return self.path(name).is_file()
+
+    def load(self, name, program):
+        """Loads the program `name` into `program`; False (the file removed) if it cannot be."""
+        import pickle
+        from jax.experimental import serialize_executable
+        try:
+            serialized, in_tree, out_tree, statics = pickle.loads(self.path(name).read_bytes())
+            program.add(serialize_executable.deserialize_and_load(serialized, in_tree, out_tree), statics)
+            return True
+        except Exception as e:
+            log(f"warning: the stored program {name} did not load ({type(e).__name__}: {e}); compiling it")
+            self.path(name).unlink(missing_ok=True)
+            return False
+
+    def save(self, name, compiled, statics):
+        import pickle
+        from jax.experimental import serialize_executable
+        try:
+            data = pickle.dumps((*serialize_executable.serialize(compiled), statics))
+            partial = self.path(name).with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+            partial.write_bytes(data)
+            os.replace(partial, self.path(name))  # whole, or not there: a crash mid-write leaves no torn file
+        except Exception as e:  # a full disk, a program that cannot be serialized: the next start compiles it
+            log(f"warning: the program {name} was not stored ({type(e).__name__}: {e})")
+
+
+def program_fingerprint(engine):
+    """What shapes an engine's programs, beyond their names (see ProgramStore)."""
+    import jax
+    import jaxlib
+    import keras
+    import keras_hub
+    model, tables = engine.model, engine.lora_tables
+    return {"serve.py": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
+            "versions": [jax.__version__, jaxlib.__version__, keras.__version__, keras_hub.__version__],
+            "devices": [(d.platform, d.device_kind, d.id) for d in jax.devices()],
+            "flags": [os.environ.get(k) for k in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")],
+            "mesh": None if engine.distribution is None else repr(engine.distribution.device_mesh.backend_mesh),
+            "model": [type(model).__name__, model.backbone.get_config()],
+            "variables": [(v.path, tuple(v.shape), str(v.dtype)) for v in engine.variables],
+            "adapters": [(k, [(t.shape, str(t.dtype)) for t in v]) for k, v in sorted(tables.items())],
+            "engine": [engine.batch_buckets, engine.length_buckets, engine.prompt_blocks, engine.group_sizes,
+                       engine.group_blocks, engine.unroll, engine.dispatch_ahead, sorted(engine.stop_ids),
+                       engine.vocabulary_size, engine.top_logprobs, engine.mask_words,
+                       None if engine.prefix is None else (engine.prefix.blocks, engine.prefix.block_tokens)]}
 
 
 def abstract(shapes, layout):
@@ -4265,8 +4483,7 @@ def load(server):
             # program itself (shapes, dtypes, adapter slots, flags baked in) with the compiler's version: a
             # changed model, dtype or flag makes a new program, never a stale hit. Weights are inputs.
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-            jax.monitoring.register_event_listener(
-                lambda event, **_: METRICS.add("compile_cache_hits") if event.endswith("/cache_hits") else None)
+            watch_xla_cache()
         on_compilation(count_compilation)
         distribution, batch_axis = setup_distribution(args)
         started = time.time()
@@ -4303,7 +4520,8 @@ def load(server):
             log(f"structured output: llguidance token table of {engine.vocabulary_size:,} built in "
                 f"{time.time() - started:.1f}s")
         started = time.time()
-        server.warm_up = WarmUp(engine)
+        store = ProgramStore(Path(args.compile_cache).expanduser() / "programs", engine) if args.compile_cache else None
+        server.warm_up = WarmUp(engine, store=store)
         METRICS.warm_up_pending = lambda: len(server.warm_up.pending)
         server.warm_up.first()
         release_freed_memory()
@@ -4321,8 +4539,8 @@ def load(server):
             log(f"error: the background warm-up stopped: {type(e).__name__}: {e}")
             return
         log(f"warm-up: {len(engine.batch_buckets)} batch sizes x {len(engine.length_buckets)} windows, "
-            f"{METRICS.compilations} XLA compilations ({METRICS.compile_cache_hits} from the compilation cache) "
-            f"in {time.time() - started:.1f}s")
+            f"{server.warm_up.build.counts()}; {METRICS.compilations} XLA compilations in all "
+            f"({METRICS.compile_cache_hits} from the compilation cache) in {time.time() - started:.1f}s")
         release_freed_memory()
         server.memory.stage("background warm-up")
         for line in server.memory.lines():

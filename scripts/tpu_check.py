@@ -28,6 +28,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 from bench_memory import read_bandwidth  # noqa: E402  the limit bench_memory.py divides by
+import serve  # noqa: E402
+UNROLL_FROM_BYTES = serve.UNROLL_FROM_BYTES
 
 CONFIGS = {  # gemma_2b as keras-hub defines it (GemmaBackbone presets)
     "gemma_2b": dict(vocabulary_size=256000, num_layers=18, num_query_heads=8, num_key_value_heads=1,
@@ -50,6 +52,8 @@ def parse_args():
     p.add_argument("--batches", default="1,8,64", help="decode batch sizes to measure (default: %(default)s)")
     p.add_argument("--reference", action="store_true", help="also time keras-hub's generate() (compiles it too)")
     p.add_argument("--skip-train", action="store_true", help="decode only")
+    p.add_argument("--unroll", default="auto", help="decode chunks unrolled: auto (serve.py's choice by weight "
+                   "bytes), on, off, or both settings side by side: on,off (issue #33: does it pay here?)")
     return p.parse_args()
 
 
@@ -118,9 +122,10 @@ def train_step_temporaries(model, args):
     return sizes
 
 
-def time_generation(model, args, batch_size):
+def time_generation(model, args, batch_size, unroll="auto"):
     import numpy as np
     import serve
+    serve.UNROLL_FROM_BYTES = {"on": 0, "off": float("inf")}.get(unroll, UNROLL_FROM_BYTES)
     tokenizer = types.SimpleNamespace(proto=None, start_token_id=2, end_token_id=1, pad_token_id=0,
                                       get_vocabulary=lambda: [], token_to_id=lambda _: None, detokenize=str)
     prompt_length, total = 32, 32 + args.new_tokens
@@ -197,12 +202,14 @@ def main():
     print(f"limit: {limit:,.0f} tok/s a row ({bandwidth / 1e9:,.0f} GB/s read by a jitted sum over "
           f"{weights:.2f} GiB of weights)", flush=True)
     for batch_size in map(int, args.batches.split(",")):
-        tps, compile_s = time_generation(model, args, batch_size)
-        reference = time_keras_hub_generate(model, args, batch_size) if args.reference else None
-        print(f"generate: batch {batch_size}: {tps:,.0f} tok/s with serve.py's engine (warm-up {compile_s:.0f}s), "
-              f"{tps / (batch_size * limit):.0%} of {batch_size} x the limit"
-              + (f"; keras-hub generate(): {reference:,.0f} tok/s" if reference else "")
-              + f" ({args.new_tokens} new tokens after a 32-token prompt, its prefill included)", flush=True)
+        for unroll in args.unroll.split(","):
+            tps, compile_s = time_generation(model, args, batch_size, unroll)
+            reference = time_keras_hub_generate(model, args, batch_size) if args.reference else None
+            print(f"generate: batch {batch_size}: {tps:,.0f} tok/s with serve.py's engine "
+                  f"({'' if unroll == 'auto' else 'unroll ' + unroll + ', '}warm-up {compile_s:.0f}s), "
+                  f"{tps / (batch_size * limit):.0%} of {batch_size} x the limit"
+                  + (f"; keras-hub generate(): {reference:,.0f} tok/s" if reference else "")
+                  + f" ({args.new_tokens} new tokens after a 32-token prompt, its prefill included)", flush=True)
     print(f"memory: peak {peak_memory_gib():.1f} GiB on device (after training: {train_peak:.1f} GiB)")
     if args.quantize == "none" and not args.skip_train:  # last: it wraps the model's decoder blocks
         plain, rematted = train_step_temporaries(model, args)

@@ -11,6 +11,8 @@
 #   serve  serve.py --uds on it with the trained output as an adapter, driven by curl and scripts/uds_check.py:
 #          completions, chat, streaming, a prefix-cached system prompt, a JSON schema, the adapter; then tokens/s
 #          and time to first token at 1, 8, 32 and 64 concurrent clients, and the compilations they caused
+#   restart serve.py started cold, then warm from XLA's compilation cache alone, then warm from the program
+#          store too: launch to ready and to the full warm-up, the compilations each made (issue #33)
 #   bench  scripts/tpu_check.py: train ms/step and MFU, decode tokens/s next to the bandwidth limit and warm-up
 #          seconds at batch 1, 8 and 64, for bfloat16, then int8, then int4 (one 2B warm-up per batch: minutes)
 # Every stage writes its log unbuffered under $OUT as it goes, so a call cut short still reports, and
@@ -110,6 +112,39 @@ for stage in $stages; do
     kill -TERM $server 2>/dev/null; wait $server
     row "serve: exit $? after SIGTERM; $(grep -E '^[0-9:]+ (POST|GET) ' "$out/serve.log" | grep -vc ' 200 ') requests not 200"
     ;;
+  restart)
+    # The same server started three times (issue #33): cold (an empty cache), then warm with XLA's compilation
+    # cache alone (the program store emptied), then warm with both. Each: launch to ready, launch to nothing
+    # left compiling, the compilations it made, the same greedy answer.
+    [ -f "$model/model.safetensors" ] || log=restart run_stage make_model python3 scripts/make_tiny_gemma.py "$model" "${shape[@]}"
+    cache="$work/restart-cache"
+    rm -rf "$cache"
+    for start in cold xla-cache program-store; do
+      [ $start = xla-cache ] && rm -rf "$cache/programs"
+      [ "$(left)" -lt 60 ] && { row "| restart $start | not run: no time left of ${budget}s |"; break; }
+      rm -f "$sock"
+      launched=$EPOCHREALTIME
+      python3 serve.py --model "$model" --uds "$sock" --dtype bfloat16 --length-buckets 256 \
+        --batch-sizes "${TPU_CHECK_BATCHES:-1,8,64}" --compile-cache "$cache" >"$out/restart_$start.log" 2>&1 &
+      server=$! ready="" complete=""
+      while [ "$(left)" -gt 15 ] && kill -0 $server 2>/dev/null; do
+        code=$(curl -s -o "$work/health.json" -w '%{http_code}' --unix-socket "$sock" http://localhost/health)
+        now=$EPOCHREALTIME
+        [ "$code" = 200 ] && [ -z "$ready" ] && ready=$(awk "BEGIN { printf \"%.1f\", $now - $launched }")
+        [ "$code" = 200 ] && ! grep -q compiling "$work/health.json" && { complete=$(awk "BEGIN { printf \"%.1f\", $now - $launched }"); break; }
+        sleep 0.5
+      done
+      answer=$(curl -s --unix-socket "$sock" http://localhost/v1/completions -H 'Content-Type: application/json' \
+        -d '{"prompt": "The river", "max_tokens": 8, "temperature": 0}' | python3 -c \
+        'import json, sys; print(json.load(sys.stdin)["choices"][0]["text"][:40])' 2>/dev/null)
+      metrics=$(curl -s --unix-socket "$sock" http://localhost/metrics | grep -E \
+        '^serve_(compilations_total|request_compilations_total|compile_cache_hits_total|process_resident_bytes) ' \
+        | awk '{printf "%s %s; ", $1, $2}')
+      kill -TERM $server 2>/dev/null; wait $server
+      row "| restart $start | ready ${ready:-never}s, nothing left compiling ${complete:-never}s after launch; ${metrics}answer ${answer@Q} |"
+      grep -E "model:|warm-up:|ready on|memory: RSS" "$out/restart_$start.log" | tee -a "$summary"
+    done
+    ;;
   bench)
     for q in ${TPU_CHECK_QUANTIZE:-none int8 int4}; do  # int4 last: a call cut short still has the first two
       flags=(--quantize "$q"); [ "$q" = none ] || flags+=(--steps 10)
@@ -119,7 +154,7 @@ for stage in $stages; do
       grep -E "^(model|limit|train|generate|memory):" "$out/bench_$q.log" | tee -a "$summary"
     done
     ;;
-  *) echo "unknown stage $stage (tests, train, serve, bench)"; exit 2 ;;
+  *) echo "unknown stage $stage (tests, train, serve, restart, bench)"; exit 2 ;;
   esac
 done
 row "total: $((SECONDS - started))s of ${budget}s"

@@ -1,7 +1,9 @@
 """The warm-up (issue #33): programs compiled on a thread pool; the server answers once the smallest
 batch's programs exist and compiles the rest in the background, each part taking effect only when it is
 compiled, so nothing ever compiles on a request's behalf; a restart loads its programs from the
-persistent compilation cache, and a changed flag does not load a stale one."""
+program store (or XLA's compilation cache), and a changed flag does not load a stale program."""
+import functools
+import re
 import threading
 import time
 
@@ -114,6 +116,55 @@ def test_a_parallel_warm_up_compiles_what_the_serial_one_runs(model):
     assert len(compiled) == before
 
 
+@pytest.mark.device
+def test_a_restart_loads_every_program_from_the_store_and_answers_the_same(model, tmp_path):
+    compiled = []
+    serve.on_compilation(lambda: compiled.append(threading.current_thread().name))
+    first = make_engine(model)
+    build = serve.WarmUp(first, threads=2, store=serve.ProgramStore(tmp_path, first))
+    build.run()
+    want = generations(first)
+    first.generate(want, 4)
+    folder = build.build.store.dir
+    stored = sorted(f.name for f in folder.iterdir())
+    assert len(stored) == len(build.compiled) > 40 and "decode-batch-4-window-128-chunk-4.xla" in stored
+
+    # A torn file (a crash mid-write cannot make one: files are renamed into place whole) is removed and its
+    # program compiled anew; everything else loads, untraced: the jits' own caches stay empty.
+    (folder / "decode-batch-2-window-64-chunk-1.xla").write_bytes(b"not a program")
+    engine = make_engine(model)
+    before = len(compiled)
+    warm_up = serve.WarmUp(engine, threads=2, store=serve.ProgramStore(tmp_path, engine))
+    warm_up.run()
+    assert [name for name, _, _ in warm_up.compiled] == ["decode batch 2 window 64 chunk 1"]
+    assert len(warm_up.build.loaded) == len(stored) - 1 and len(compiled) - before == 1
+    assert engine.programs[4].decode.jitted._cache_size() == 0 and len(engine.programs[4].decode.loaded) == 4
+    got = generations(engine)
+    engine.generate(got, 4)
+    engine.generate(generations(engine, offset=3), 1)
+    assert len(compiled) - before == 1  # nothing more compiled on the requests' behalf
+    assert answers(got) == answers(want)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose([lp for _, lp, _ in g.token_logprobs], [lp for _, lp, _ in w.token_logprobs],
+                                   atol=1e-5)
+
+    # Another shape of engine (batch sizes, prefix cache) is another folder: nothing stale is loaded.
+    other = serve.Engine(model, [1, 2], [64, 128], None, dispatch_ahead=True)
+    assert serve.ProgramStore(tmp_path, other).dir != folder
+
+
+def test_cache_shapes_are_derived_from_one_traced_template(model):
+    import jax
+    import jax.numpy as jnp
+    for batch, length in [(1, 8), (3, 200), (8, 4096)]:
+        traced = jax.eval_shape(functools.partial(serve.prompt_cache, model), jax.ShapeDtypeStruct((batch, length),
+                                                                                                    jnp.int32))
+        derived = serve.cache_shapes(model, batch, length)
+        assert jax.tree.structure(derived) == jax.tree.structure(traced)
+        assert [(d.shape, d.dtype) for d in jax.tree.leaves(derived)] == [
+            (t.shape, t.dtype) for t in jax.tree.leaves(traced)]
+
+
 def test_health_lists_what_is_still_compiling_and_restarts_load_from_the_cache(tiny_model, tmp_path, start_server):
     cache = str(tmp_path / "xla")
     flags = ["--max-batch-size", "4", "--length-buckets", "64,128"]
@@ -132,18 +183,25 @@ def test_health_lists_what_is_still_compiling_and_restarts_load_from_the_cache(t
     assert reply[0] == 200 and reply[1]["usage"]["completion_tokens"] == 6
 
     again = start_server(tiny_model, *flags, cache=cache)
-    # A restart with the same flags loads every program: all its compilations are cache hits.
-    assert again.metric("serve_compilations_total") == again.metric("serve_compile_cache_hits_total") > 0
+    # A restart with the same flags loads every warm-up program from the program store, untraced; what
+    # compiles at all (loading's own eager steps) comes from XLA's cache.
+    assert again.metric("serve_compilations_total") == again.metric("serve_compile_cache_hits_total")
+    assert again.metric("serve_compilations_total") < 0.5 * first_compiled
     assert post(again, {"prompt": "The river", "max_tokens": 6, "temperature": 0})[1][
         "choices"][0]["text"] == reply[1]["choices"][0]["text"]
-    assert "from the compilation cache" in again.output()
+    counts = re.findall(r"warm-up: .*?(\d+) programs (loaded from the program store|compiled)", again.output())
+    assert counts and all(how == "loaded from the program store" for _, how in counts)
+    assert f"{len(list((tmp_path / 'xla' / 'programs').glob('*/*.xla')))} programs loaded" in again.output()
     again.stop()
 
     changed = start_server(tiny_model, *flags, "--enable-lora", "--max-adapters", "2", cache=cache)
     # Adapter slots change every program that runs the model (decode, prefills): those are compiled anew
-    # (32 of 70 here); the copies and pool moves are the same programs as before, and load.
+    # (32 of 70 here); the copies and pool moves are the same programs as before, and come from XLA's cache.
+    # Nothing comes from the program store: the changed flags make another folder of it.
     hits, compiled = changed.metric("serve_compile_cache_hits_total"), changed.metric("serve_compilations_total")
     assert compiled - hits >= 0.3 * first_compiled and hits > 0
+    assert "loaded from the program store" not in changed.output()
+    assert len(list((tmp_path / "xla" / "programs").iterdir())) == 2
     # The base through the new programs (no adapter loaded): the same answer.
     assert post(changed, {"prompt": "The river", "max_tokens": 6, "temperature": 0})[1][
         "choices"][0]["text"] == reply[1]["choices"][0]["text"]
