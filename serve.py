@@ -76,7 +76,8 @@ DECODE_CHUNK = 4  # tokens decoded per dispatch to the device
 # LONG_CHUNK and at most LONGEST_CHUNK: as many as the last long dispatch says fit in LONG_CHUNK_SECONDS,
 # which is how long a request arriving meanwhile may wait for its row (bench_convoy.py: 0.05 s gave 2.8x).
 LONG_CHUNK, LONGEST_CHUNK, LONG_CHUNK_SECONDS = 16, 64, 0.02
-UNROLL_FROM_BYTES = 64 << 20  # weights from which a decode chunk is unrolled (see decode_chunk)
+UNROLL_FROM_BYTES = 64 << 20  # weights from which a decode chunk is unrolled (see decode_chunk)...
+UNROLL_FROM_BATCH_OFF_CPU = 2  # ...and, off a CPU, the batch size from which it is (see Engine)
 # Prompts of up to GROUP_BLOCK tokens that are admitted together are prefilled in groups of these sizes
 # (see prefill_group); a batch smaller than a size never uses it. On a CPU, whose prefills are compute-bound
 # from fewer tokens, only up to GROUP_BLOCK_CPU: Gemma 3 270M on 2 cores, grouped against one by one, gained
@@ -395,6 +396,19 @@ def keep_tensorflow_out():
     `import tensorflow` fail, which keras-hub takes as "not installed"."""
     if "tensorflow" not in sys.modules:
         sys.modules["tensorflow"] = None
+
+
+def start_backend():
+    """Starts JAX's backend on a thread of its own: on a TPU its runtime takes seconds to come up, which
+    then overlap keras-hub's import. Whoever needs the backend next waits for it."""
+    import jax
+
+    def start():
+        try:
+            jax.devices()
+        except Exception:  # no usable backend: the loader's own first use of it says why
+            pass
+    threading.Thread(target=start, daemon=True, name="backend").start()
 
 
 def make_text_codec(tokenizer):
@@ -1648,7 +1662,12 @@ class Engine:
         self.mask_words = -(-self.vocabulary_size // 32)  # a grammar mask's int32 words per row
         self.open_mask_arrays = {}
         self.axes = cache_position_axes(model)
-        self.unroll = sum(value.nbytes for value in self.values) >= UNROLL_FROM_BYTES
+        # Unrolled decode chunks (see decode_steps) pay on a CPU, and on a TPU at batch 64 (gemma_2b bfloat16:
+        # 3,975 -> 4,511 tok/s) but not at batch 1, already at its weight-read limit either way (139 -> 140
+        # tok/s), where they cost 24 s more compiling (batch 1's warm-up 43 -> 67 s): BENCHMARKS.md.
+        from_batch = 1 if jax.default_backend() == "cpu" else UNROLL_FROM_BATCH_OFF_CPU
+        self.unrolled = {batch for batch in batch_buckets if batch >= from_batch
+                         and sum(value.nbytes for value in self.values) >= UNROLL_FROM_BYTES}
         bound = functools.partial
         # On a mesh every program that makes a one-row cache hands it back copied to every device: the
         # programs it goes into (insert, a pool write, a prefill after a prefix) were compiled for one
@@ -1696,7 +1715,8 @@ class Engine:
             None, *rows.spec))
 
         def decoder(fn, sampled=None):  # (values, cache, window, steps, ...) -> (outputs, cache), the cache donated
-            return Program(functools.partial(fn, self.model, self.variables, self.adapters, self.axes, self.unroll),
+            return Program(functools.partial(fn, self.model, self.variables, self.adapters, self.axes,
+                                             batch in self.unrolled),
                            static_argnums=(2, 3), donate_argnums=(1,), out_shardings=((sampled, None), layout))
         return BatchPrograms(
             new_cache, Program(functools.partial(insert, self.axes), donate_argnums=(0,), out_shardings=layout),
@@ -1983,7 +2003,7 @@ class WarmUp:
             smallest = engine.batch_buckets[0]
             return (f"batch {smallest}'s decodes of {DECODE_CHUNK}"
                     f"{f' and up to {LONGEST_CHUNK}' if engine.programs[smallest].decode_long else ''} tokens a "
-                    f"dispatch{', unrolled' if engine.unroll else ''}"
+                    f"dispatch{', unrolled' if smallest in engine.unrolled else ''}"
                     f"{', dispatched ahead' if engine.dispatch_ahead else ''}")
         return part + " (decode, inserts, the copies to and from the next smaller size)"
 
@@ -2125,6 +2145,7 @@ class Builder:
         self.compiled = []  # (program, seconds to trace and lower, seconds to compile)
         self.loaded = []  # (program, seconds to load)
         self.lowered = {}  # one lowering per (program, arguments) object, however often used
+        self.order = []  # every program's name, in the order submitted
         self.tracing = threading.RLock()  # an Output's program is lowered inside its consumer's lowering
 
     def lower(self, program, args):
@@ -2138,6 +2159,7 @@ class Builder:
         """Queues each call's loading or compiling on `pool`; returns the futures."""
         jobs = []
         for name, program, args in calls:
+            self.order.append(name)
             if self.store is not None and self.store.has(name):
                 jobs.append(pool.submit(self.load_one, name, program, args))
             else:
@@ -2215,15 +2237,20 @@ class ProgramStore:
 
     On a CPU, a program that XLA's cache handed back is not stored: XLA's CPU backend serializes such an
     executable without its machine code (it then fails at its first run: "Function ... not found"). It is
-    stored once it is compiled anew, e.g. after XLA's cache is emptied."""
+    stored once it is compiled anew, e.g. after XLA's cache is emptied.
+
+    The folder is only known once the model is loaded. An index (early key -> folder and the order its
+    programs were built in) lets a Prefetch start loading them while the weights load; they are used only
+    if that folder is this one."""
 
     KEEP = 4
 
-    def __init__(self, root, engine):
+    def __init__(self, root, engine, prefetch=None):
         import jax
-        root, self.cpu = Path(root), jax.default_backend() == "cpu"
+        root, self.cpu, self.root = Path(root), jax.default_backend() == "cpu", Path(root)
         key = hashlib.sha256(json.dumps(program_fingerprint(engine), sort_keys=True, default=str).encode())
         self.dir = root / key.hexdigest()[:24]
+        self.prefetched = prefetch.jobs if prefetch is not None and prefetch.folder == self.dir.name else {}
         self.dir.mkdir(parents=True, exist_ok=True)
         os.utime(self.dir)  # most recently used, for the pruning below
         folders = sorted((d for d in root.iterdir() if d.is_dir()), key=lambda d: d.stat().st_mtime, reverse=True)
@@ -2231,18 +2258,17 @@ class ProgramStore:
             shutil.rmtree(stale, ignore_errors=True)
 
     def path(self, name):
-        return self.dir / (name.replace(" ", "-") + ".xla")
+        return self.dir / (name.replace(" ", "-") + ".xla")  # as Prefetch finds it
 
     def has(self, name):
         return self.path(name).is_file()
 
     def load(self, name, program):
-        """Loads the program `name` into `program`; False (the file removed) if it cannot be."""
-        import pickle
-        from jax.experimental import serialize_executable
+        """Loads the program `name` into `program` (prefetched, or now); False (the file removed) if it
+        cannot be."""
+        job = self.prefetched.pop(name, None)
         try:
-            serialized, in_tree, out_tree, statics = pickle.loads(self.path(name).read_bytes())
-            program.add(serialize_executable.deserialize_and_load(serialized, in_tree, out_tree), statics)
+            program.add(*(job.result() if job is not None else read_program(self.path(name))))
             return True
         except Exception as e:
             log(f"warning: the stored program {name} did not load ({type(e).__name__}: {e}); compiling it")
@@ -2259,6 +2285,62 @@ class ProgramStore:
             os.replace(partial, self.path(name))  # whole, or not there: a crash mid-write leaves no torn file
         except Exception as e:  # a full disk, a program that cannot be serialized: the next start compiles it
             log(f"warning: the program {name} was not stored ({type(e).__name__}: {e})")
+
+    def remember(self, early, order):
+        """Records that a start with the early key `early` used this folder, its programs built in `order`."""
+        index_path = self.root / "index.json"
+        try:
+            index = json.loads(index_path.read_text()) if index_path.exists() else {}
+            index[early] = {"folder": self.dir.name, "order": order}
+            partial = index_path.with_suffix(f".{os.getpid()}.tmp")
+            partial.write_text(json.dumps(index))
+            os.replace(partial, index_path)
+        except (OSError, ValueError) as e:
+            log(f"warning: the program store's index was not written ({type(e).__name__}: {e})")
+
+
+def read_program(path):
+    """(executable, its static arguments) from a file ProgramStore.save wrote."""
+    import pickle
+    from jax.experimental import serialize_executable
+    serialized, in_tree, out_tree, statics = pickle.loads(Path(path).read_bytes())
+    return serialize_executable.deserialize_and_load(serialized, in_tree, out_tree), statics
+
+
+class Prefetch:
+    """Loads the programs a start with the same early key stored last time, on threads of their own, in
+    the order they were built (the first part's first), while the model loads. The early key is what a
+    start knows before loading: serve.py's text, the libraries' versions, the flags, the model files'
+    names, sizes and times. It only predicts the store's folder: ProgramStore takes these programs only
+    when the folder it computes from the loaded model is the same."""
+
+    NOT_PROGRAMS = {"api_key", "host", "port", "uds", "uds_mode", "seed", "sampler", "shutdown_timeout", "idle_timeout",
+                    "max_connections", "max_body_bytes", "max_queue", "batch_window_ms", "max_tokens_limit"}
+
+    def __init__(self, root, args, threads=None):
+        from concurrent.futures import ThreadPoolExecutor
+        from importlib import metadata
+        root, self.jobs, self.folder = Path(root), {}, None
+        model = Path(args.model)
+        files = sorted((f.name, f.stat().st_size, f.stat().st_mtime) for f in model.iterdir()) if model.is_dir() else []
+        self.early = hashlib.sha256(json.dumps(
+            [hashlib.sha256(Path(__file__).read_bytes()).hexdigest(), files,
+             sorted((k, v) for k, v in vars(args).items() if k not in Prefetch.NOT_PROGRAMS),
+             [metadata.version(p) for p in ("jax", "jaxlib", "keras", "keras-hub")],
+             [os.environ.get(k) for k in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")]], default=str).encode()).hexdigest()
+        try:
+            entry = json.loads((root / "index.json").read_text()).get(self.early)
+        except (OSError, ValueError):
+            entry = None
+        if not entry or not (root / entry["folder"]).is_dir():
+            return
+        self.folder = entry["folder"]
+        pool = ThreadPoolExecutor(threads or min(os.cpu_count() or 1, 16), thread_name_prefix="prefetch")
+        for name in entry["order"]:
+            path = root / self.folder / (name.replace(" ", "-") + ".xla")
+            if path.is_file():
+                self.jobs[name] = pool.submit(read_program, path)
+        pool.shutdown(wait=False)
 
 
 def program_fingerprint(engine):
@@ -2277,7 +2359,7 @@ def program_fingerprint(engine):
             "variables": [(v.path, tuple(v.shape), str(v.dtype)) for v in engine.variables],
             "adapters": [(k, [(t.shape, str(t.dtype)) for t in v]) for k, v in sorted(tables.items())],
             "engine": [engine.batch_buckets, engine.length_buckets, engine.prompt_blocks, engine.group_sizes,
-                       engine.group_blocks, engine.unroll, engine.dispatch_ahead, sorted(engine.stop_ids),
+                       engine.group_blocks, sorted(engine.unrolled), engine.dispatch_ahead, sorted(engine.stop_ids),
                        engine.vocabulary_size, engine.top_logprobs, engine.mask_words,
                        None if engine.prefix is None else (engine.prefix.blocks, engine.prefix.block_tokens)]}
 
@@ -4475,6 +4557,7 @@ def load(server):
     args = server.args
     try:
         import jax.monitoring
+        start_backend()
         import keras_hub  # noqa: F401  (its imports, in the memory table)
         server.memory.stage("imports")
         if args.compile_cache:
@@ -4486,6 +4569,11 @@ def load(server):
             watch_xla_cache()
         on_compilation(count_compilation)
         distribution, batch_axis = setup_distribution(args)
+        log(f"imports and the {jax.default_backend()} runtime: {time.time() - server.started:.1f}s after launch")
+        programs = Path(args.compile_cache).expanduser() / "programs" if args.compile_cache else None
+        prefetch = Prefetch(programs, args) if programs else None
+        if prefetch is not None and prefetch.jobs:
+            log(f"program store: loading the last start's {len(prefetch.jobs)} programs while the model loads")
         started = time.time()
         model, dtype, server.kernel_shapes = load_model(args, server.memory, alone=True)
         server.template = read_prompt_template(args.model, model.preprocessor.tokenizer.get_vocabulary())
@@ -4520,7 +4608,7 @@ def load(server):
             log(f"structured output: llguidance token table of {engine.vocabulary_size:,} built in "
                 f"{time.time() - started:.1f}s")
         started = time.time()
-        store = ProgramStore(Path(args.compile_cache).expanduser() / "programs", engine) if args.compile_cache else None
+        store = ProgramStore(programs, engine, prefetch) if programs else None
         server.warm_up = WarmUp(engine, store=store)
         METRICS.warm_up_pending = lambda: len(server.warm_up.pending)
         server.warm_up.first()
@@ -4538,6 +4626,8 @@ def load(server):
         except Exception as e:  # what is compiled keeps serving; the rest stays listed as compiling
             log(f"error: the background warm-up stopped: {type(e).__name__}: {e}")
             return
+        if store is not None:
+            store.remember(prefetch.early, server.warm_up.build.order)
         log(f"warm-up: {len(engine.batch_buckets)} batch sizes x {len(engine.length_buckets)} windows, "
             f"{server.warm_up.build.counts()}; {METRICS.compilations} XLA compilations in all "
             f"({METRICS.compile_cache_hits} from the compilation cache) in {time.time() - started:.1f}s")

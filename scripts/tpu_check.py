@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 from bench_memory import read_bandwidth  # noqa: E402  the limit bench_memory.py divides by
 import serve  # noqa: E402
-UNROLL_FROM_BYTES = serve.UNROLL_FROM_BYTES
+UNROLL_FROM_BYTES, UNROLL_FROM_BATCH_OFF_CPU = serve.UNROLL_FROM_BYTES, serve.UNROLL_FROM_BATCH_OFF_CPU
 
 CONFIGS = {  # gemma_2b as keras-hub defines it (GemmaBackbone presets)
     "gemma_2b": dict(vocabulary_size=256000, num_layers=18, num_query_heads=8, num_key_value_heads=1,
@@ -126,6 +126,7 @@ def time_generation(model, args, batch_size, unroll="auto"):
     import numpy as np
     import serve
     serve.UNROLL_FROM_BYTES = {"on": 0, "off": float("inf")}.get(unroll, UNROLL_FROM_BYTES)
+    serve.UNROLL_FROM_BATCH_OFF_CPU = 1 if unroll == "on" else UNROLL_FROM_BATCH_OFF_CPU
     tokenizer = types.SimpleNamespace(proto=None, start_token_id=2, end_token_id=1, pad_token_id=0,
                                       get_vocabulary=lambda: [], token_to_id=lambda _: None, detokenize=str)
     prompt_length, total = 32, 32 + args.new_tokens

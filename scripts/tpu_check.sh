@@ -17,7 +17,7 @@
 #          seconds at batch 1, 8 and 64, for bfloat16, then int8, then int4 (one 2B warm-up per batch: minutes)
 # Every stage writes its log unbuffered under $OUT as it goes, so a call cut short still reports, and
 # the stages share TPU_CHECK_SECONDS (default 540) of wall clock: what has no time left says so.
-# TPU_CHECK_BATCHES (serve's --batch-sizes, default 1,8,64), TPU_CHECK_K (a pytest -k expression),
+# TPU_CHECK_BATCHES (serve's --batch-sizes, default 1,8,64), TPU_CHECK_STARTS (restart's, e.g. "cold program-store"), TPU_CHECK_K (a pytest -k expression),
 # TPU_CHECK_QUANTIZE and TPU_CHECK_BENCH_FLAGS (bench's, e.g. "--batches 1,64") make a stage lighter. On a machine with the project's requirements it runs as is, e.g.
 # `TPU_CHECK_CONFIG=tiny bash scripts/tpu_check.sh` (a small model, to try the script on a CPU first).
 set -uo pipefail
@@ -119,7 +119,7 @@ for stage in $stages; do
     [ -f "$model/model.safetensors" ] || log=restart run_stage make_model python3 scripts/make_tiny_gemma.py "$model" "${shape[@]}"
     cache="$work/restart-cache"
     rm -rf "$cache"
-    for start in cold xla-cache program-store; do
+    for start in ${TPU_CHECK_STARTS:-cold xla-cache program-store}; do
       [ $start = xla-cache ] && rm -rf "$cache/programs"
       [ "$(left)" -lt 60 ] && { row "| restart $start | not run: no time left of ${budget}s |"; break; }
       rm -f "$sock"
@@ -142,7 +142,7 @@ for stage in $stages; do
         | awk '{printf "%s %s; ", $1, $2}')
       kill -TERM $server 2>/dev/null; wait $server
       row "| restart $start | ready ${ready:-never}s, nothing left compiling ${complete:-never}s after launch; ${metrics}answer ${answer@Q} |"
-      grep -E "model:|warm-up:|ready on|memory: RSS" "$out/restart_$start.log" | tee -a "$summary"
+      grep -E "imports and|model:|warm-up:|ready on|memory: RSS" "$out/restart_$start.log" | tee -a "$summary"
     done
     ;;
   bench)
