@@ -1930,6 +1930,7 @@ class WarmUp:
                                                          engine.lora_tables, np.int32(0)))
                          for block in engine.prompt_blocks}
         self.decodes, self.caches = {}, {}
+        self.first_count = 0
 
     @property
     def compiled(self):
@@ -1946,6 +1947,7 @@ class WarmUp:
         engine.ready_batches, engine.grouping, engine.prefix, engine.chunked = [smallest], False, None, False
         self.pending = self.parts()
         self.build.run(self.prefill_calls() + self.batch_calls(smallest, chunks=False) + self.adapter_calls())
+        self.first_count = len(self.build.order)  # what the server needs to be ready (see Prefetch)
         self.decode(smallest)
         log(f"warm-up: batch {smallest}: decode over windows {','.join(map(str, engine.length_buckets))}"
             f" and prompt blocks {','.join(map(str, engine.prompt_blocks))} in {time.time() - started:.1f}s"
@@ -2286,12 +2288,13 @@ class ProgramStore:
         except Exception as e:  # a full disk, a program that cannot be serialized: the next start compiles it
             log(f"warning: the program {name} was not stored ({type(e).__name__}: {e})")
 
-    def remember(self, early, order):
-        """Records that a start with the early key `early` used this folder, its programs built in `order`."""
+    def remember(self, early, first):
+        """Records that a start with the early key `early` used this folder, and `first`, the names of the
+        programs it needs to be ready."""
         index_path = self.root / "index.json"
         try:
             index = json.loads(index_path.read_text()) if index_path.exists() else {}
-            index[early] = {"folder": self.dir.name, "order": order}
+            index[early] = {"folder": self.dir.name, "first": first}
             partial = index_path.with_suffix(f".{os.getpid()}.tmp")
             partial.write_text(json.dumps(index))
             os.replace(partial, index_path)
@@ -2308,11 +2311,13 @@ def read_program(path):
 
 
 class Prefetch:
-    """Loads the programs a start with the same early key stored last time, on threads of their own, in
-    the order they were built (the first part's first), while the model loads. The early key is what a
-    start knows before loading: serve.py's text, the libraries' versions, the flags, the model files'
-    names, sizes and times. It only predicts the store's folder: ProgramStore takes these programs only
-    when the folder it computes from the loaded model is the same."""
+    """Loads the programs the last start with the same early key needed to be ready (WarmUp.first's), on
+    threads of their own, while the model loads. The early key is what a start knows before loading:
+    serve.py's text, the libraries' versions, the flags, the model files' names, sizes and times. It only
+    predicts the store's folder: ProgramStore takes these programs only when the folder it computes from
+    the loaded model is the same. Only the first part's: on a TPU, loading all 59 programs of gemma_2b
+    alongside its weights slowed the weights' loading from 9 to 24 s, and the server was ready after 41 s
+    instead of 31 s without a prefetch (BENCHMARKS.md)."""
 
     NOT_PROGRAMS = {"api_key", "host", "port", "uds", "uds_mode", "seed", "sampler", "shutdown_timeout", "idle_timeout",
                     "max_connections", "max_body_bytes", "max_queue", "batch_window_ms", "max_tokens_limit"}
@@ -2336,7 +2341,7 @@ class Prefetch:
             return
         self.folder = entry["folder"]
         pool = ThreadPoolExecutor(threads or min(os.cpu_count() or 1, 16), thread_name_prefix="prefetch")
-        for name in entry["order"]:
+        for name in entry["first"]:
             path = root / self.folder / (name.replace(" ", "-") + ".xla")
             if path.is_file():
                 self.jobs[name] = pool.submit(read_program, path)
@@ -4573,7 +4578,8 @@ def load(server):
         programs = Path(args.compile_cache).expanduser() / "programs" if args.compile_cache else None
         prefetch = Prefetch(programs, args) if programs else None
         if prefetch is not None and prefetch.jobs:
-            log(f"program store: loading the last start's {len(prefetch.jobs)} programs while the model loads")
+            log(f"program store: loading the {len(prefetch.jobs)} programs the last start needed to be ready, while "
+                f"the model loads")
         started = time.time()
         model, dtype, server.kernel_shapes = load_model(args, server.memory, alone=True)
         server.template = read_prompt_template(args.model, model.preprocessor.tokenizer.get_vocabulary())
@@ -4627,7 +4633,7 @@ def load(server):
             log(f"error: the background warm-up stopped: {type(e).__name__}: {e}")
             return
         if store is not None:
-            store.remember(prefetch.early, server.warm_up.build.order)
+            store.remember(prefetch.early, server.warm_up.build.order[:server.warm_up.first_count])
         log(f"warm-up: {len(engine.batch_buckets)} batch sizes x {len(engine.length_buckets)} windows, "
             f"{server.warm_up.build.counts()}; {METRICS.compilations} XLA compilations in all "
             f"({METRICS.compile_cache_hits} from the compilation cache) in {time.time() - started:.1f}s")

@@ -18,6 +18,12 @@ The server as users run it (issue #35): `serve.py` with `--length-buckets 128 --
 float32 and int8, the prefix cache off and on, each started fresh, after its warm-up and one request:
 its RSS and the memory table it logs (where the RSS went, stage by stage); with --compare, the same
 for another serve.py (e.g. an older commit's, `git show 43dff77:serve.py > /tmp/old.py`) side by side.
+
+    python3 scripts/bench_memory.py --restarts
+
+The same server started three times per setting (float32 and int8, prefix cache on) on one compile cache:
+cold, then from the program store, then with XLA's compilation cache alone (the program store emptied):
+launch to ready and to nothing left compiling, RSS, compilations (issue #33).
 """
 import argparse
 import json
@@ -41,6 +47,8 @@ def parse_args():
     p.add_argument("--settings", default="float32,bfloat16,int8,int4")
     p.add_argument("--skip-training", action="store_true")
     p.add_argument("--servers", action="store_true", help="measure serve.py itself, run as a server (see above)")
+    p.add_argument("--restarts", action="store_true", help="serve.py cold, then from the program store, then "
+                   "from XLA's cache alone (see above)")
     p.add_argument("--compare", default=None, metavar="OLD_SERVE_PY", help="with --servers: also this serve.py")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one serving setting, in its own process
     return p.parse_args()
@@ -138,7 +146,7 @@ def request(url, body=None):
         return e.code, None
 
 
-def measure_server(serve_py, model_dir, flags, env, work):
+def measure_server(serve_py, model_dir, flags, env, work, cache=""):
     """(RSS MiB after warm-up and one request, the memory table lines the server logged, its answer, seconds
     from launch to the first /health 200 and to nothing left compiling). Over TCP: an older serve.py has
     no --uds."""
@@ -149,7 +157,8 @@ def measure_server(serve_py, model_dir, flags, env, work):
     url, log_path = f"http://127.0.0.1:{port}", work / "serve.log"
     with open(log_path, "w") as log:
         server = subprocess.Popen([sys.executable, serve_py, "--model", model_dir, "--port", str(port),
-                                   "--compile-cache", "", "--length-buckets", "128", "--max-batch-size", "2", *flags],
+                                   "--compile-cache", cache, "--length-buckets", "128", "--max-batch-size", "2",
+                                   *flags],
                                   stdout=log, stderr=subprocess.STDOUT, env=env)
     started, ready = time.time(), None
     try:
@@ -166,10 +175,15 @@ def measure_server(serve_py, model_dir, flags, env, work):
         complete = time.time() - started
         _, answer = request(url + "/v1/completions", {"prompt": "The river", "max_tokens": 16, "temperature": 0})
         rss = memory_mib(server.pid)["VmRSS"]
+        import urllib.request
+        with urllib.request.urlopen(url + "/metrics", timeout=60) as response:
+            metrics = dict(line.split(" ", 1) for line in response.read().decode().splitlines()
+                           if line.startswith("serve_") and " " in line)
     finally:
         server.terminate()
         server.wait(60)
     table = [l.split(" ", 1)[1] for l in log_path.read_text().splitlines() if " memory: " in l]
+    measure_server.metrics = {k: float(v) for k, v in metrics.items() if k.endswith("_total")}
     return rss, table, answer["choices"][0]["text"], ready, complete
 
 
@@ -191,6 +205,30 @@ def servers(args, env):
         print(f"| {name} | " + " | ".join(f"{rss:,.0f}" for n, _, rss, _ in rows if n == name) + " |")
 
 
+def restarts(args, env):
+    """serve.py started three times per setting on one compile cache: cold, then from the program store,
+    then with XLA's compilation cache alone (the program store emptied) (issue #33)."""
+    import shutil
+    work = Path(tempfile.mkdtemp(prefix="bench-memory-restarts-"))
+    rows = []
+    for name in ("float32, prefix cache default", "int8, prefix cache default"):
+        cache = work / name.split(",")[0]
+        for start in ("cold", "program store", "XLA's cache"):  # on a CPU, XLA's cache hits are not stored
+            if start == "XLA's cache":
+                shutil.rmtree(cache / "programs")
+            rss, _, text, ready, complete = measure_server(str(REPO / "serve.py"), args.model, SERVER_SETTINGS[name],
+                                                           env, work, cache=str(cache))
+            metrics = measure_server.metrics
+            rows.append((name, start, ready, complete, rss, metrics.get("serve_compilations_total", 0),
+                         metrics.get("serve_compile_cache_hits_total", 0), text))
+            print(rows[-1], flush=True)
+    print("\n| setting | start | ready after launch | nothing left compiling | RSS MiB | XLA compilations (from its cache) "
+          "| answer |\n|---|---|---|---|---|---|---|")
+    for name, start, ready, complete, rss, compiled, hits, text in rows:
+        print(f"| {name} | {start} | {ready:.1f} s | {complete:.1f} s | {rss:,.0f} | {compiled:.0f} ({hits:.0f}) "
+              f"| {text[:24]!r} |")
+
+
 def main():
     args = parse_args()
     if args.worker:
@@ -200,6 +238,8 @@ def main():
         subprocess.run([sys.executable, str(REPO / "scripts" / "gguf_to_hf.py"), args.model], check=True, env=env)
     if args.servers:
         return servers(args, env)
+    if args.restarts:
+        return restarts(args, env)
     settings = args.settings.split(",")
     serving = []
     for setting in settings:

@@ -191,7 +191,7 @@ def test_health_lists_what_is_still_compiling_and_restarts_load_from_the_cache(t
         "choices"][0]["text"] == reply[1]["choices"][0]["text"]
     counts = re.findall(r"warm-up: .*?(\d+) programs (loaded from the program store|compiled)", again.output())
     assert counts and all(how == "loaded from the program store" for _, how in counts)
-    assert re.search(r"program store: loading the last start's \d+ programs while the model loads", again.output())
+    assert re.search(r"program store: loading the \d+ programs the last start needed to be ready", again.output())
     assert f"{len(list((tmp_path / 'xla' / 'programs').glob('*/*.xla')))} programs loaded" in again.output()
     again.stop()
 
