@@ -109,7 +109,7 @@ def test_export_only_needs_a_trained_output(run_train, tmp_path):
 def test_the_adapter_helpers_are_the_same_in_both_scripts():
     for name in ("AdapterError", "lora_layer", "kernel_axes", "lora_kernel_shapes", "keras_factors_to_peft",
                  "read_keras_adapter", "parse_lora_modules", "keras_lora_scale", "keep_tensorflow_out",
-                 "load_causal_lm"):
+                 "load_causal_lm", "zeros_for_random_initializers"):
         assert inspect.getsource(getattr(serve, name)) == inspect.getsource(getattr(train_local, name)), name
     assert serve.LORA_MODULES == train_local.LORA_MODULES
 
@@ -142,3 +142,18 @@ def test_train_local_trains_and_exports_without_tensorflow(tiny_model, compile_c
     assert type(model.preprocessor) is type(model).preprocessor_cls
     assert len(np.asarray(model.preprocessor.tokenizer("The river"))) > 0
     assert_same_logits(logits(out / "transformers"), np.asarray(model(TOKENS)))
+
+
+def test_a_model_loads_from_zeros_and_every_weight_is_read(tiny_model):
+    """load_causal_lm starts random-initialized variables as zeros (cheaper): the checkpoint overwrites every
+    one, so the model equals keras-hub's own load, and random initializers are random again afterwards."""
+    import keras
+    import keras_hub
+    plain = keras_hub.models.CausalLM.from_preset(str(tiny_model), preprocessor=None)
+    loaded = serve.load_causal_lm(str(tiny_model))
+    assert [w.path for w in loaded.weights] == [w.path for w in plain.weights]
+    for ours, theirs in zip(loaded.weights, plain.weights):
+        np.testing.assert_array_equal(np.asarray(ours.value), np.asarray(theirs.value), err_msg=ours.path)
+    dense = keras.layers.Dense(4)
+    dense.build((None, 3))
+    assert np.all(np.asarray(dense.kernel.value) != 0)
