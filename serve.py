@@ -1691,8 +1691,8 @@ class Engine:
         # 3,975 -> 4,511 tok/s) but not at batch 1, already at its weight-read limit either way (139 -> 140
         # tok/s), where they cost 24 s more compiling (batch 1's warm-up 43 -> 67 s): BENCHMARKS.md.
         from_batch = 1 if jax.default_backend() == "cpu" else UNROLL_FROM_BATCH_OFF_CPU
-        self.unrolled = {batch for batch in batch_buckets if batch >= from_batch
-                         and sum(value.nbytes for value in self.values) >= UNROLL_FROM_BYTES}
+        large = sum(value.nbytes for value in self.values) >= UNROLL_FROM_BYTES
+        self.unrolled = {batch for batch in batch_buckets if large and batch >= from_batch}
         bound = functools.partial
         # On a mesh every program that makes a one-row cache hands it back copied to every device: the
         # programs it goes into (insert, a pool write, a prefill after a prefix) were compiled for one
@@ -1955,7 +1955,7 @@ class WarmUp:
                                                          engine.lora_tables, np.int32(0)))
                          for block in engine.prompt_blocks}
         self.decodes, self.caches = {}, {}
-        self.first_count = 0
+        self.first_names = []
 
     @property
     def compiled(self):
@@ -1972,7 +1972,7 @@ class WarmUp:
         engine.ready_batches, engine.grouping, engine.prefix, engine.chunked = [smallest], False, None, False
         self.pending = self.parts()
         self.build.run(self.prefill_calls() + self.batch_calls(smallest, chunks=False) + self.adapter_calls())
-        self.first_count = len(self.build.order)  # what the server needs to be ready (see Prefetch)
+        self.first_names = list(self.build.order)  # what the server needs to be ready (see Prefetch)
         self.decode(smallest)
         log(f"warm-up: batch {smallest}: decode over windows {','.join(map(str, engine.length_buckets))}"
             f" and prompt blocks {','.join(map(str, engine.prompt_blocks))} in {time.time() - started:.1f}s"
@@ -2208,8 +2208,8 @@ class Builder:
         XLA_CACHE.hit = False
         compiled = lowered.compile()
         self.compiled.append((name, trace_seconds, time.time() - began))
-        if self.store is not None and not (XLA_CACHE.hit and self.store.cpu):
-            self.store.save(name, compiled, program.statics(args))
+        if self.store is not None:
+            self.store.save(name, compiled, program.statics(args), from_xla_cache=XLA_CACHE.hit)
 
     def run(self, calls):
         """Every call's program, before this returns."""
@@ -2274,18 +2274,19 @@ class ProgramStore:
 
     def __init__(self, root, engine, prefetch=None):
         import jax
-        root, self.cpu, self.root = Path(root), jax.default_backend() == "cpu", Path(root)
+        self.root, self.cpu = Path(root), jax.default_backend() == "cpu"
         key = hashlib.sha256(json.dumps(program_fingerprint(engine), sort_keys=True, default=str).encode())
-        self.dir = root / key.hexdigest()[:24]
+        self.dir = self.root / key.hexdigest()[:24]
         self.prefetched = prefetch.jobs if prefetch is not None and prefetch.folder == self.dir.name else {}
         self.dir.mkdir(parents=True, exist_ok=True)
         os.utime(self.dir)  # most recently used, for the pruning below
-        folders = sorted((d for d in root.iterdir() if d.is_dir()), key=lambda d: d.stat().st_mtime, reverse=True)
+        folders = sorted((d for d in self.root.iterdir() if d.is_dir()), key=lambda d: d.stat().st_mtime,
+                         reverse=True)
         for stale in folders[self.KEEP:]:
             shutil.rmtree(stale, ignore_errors=True)
 
     def path(self, name):
-        return self.dir / (name.replace(" ", "-") + ".xla")  # as Prefetch finds it
+        return program_file(self.dir, name)
 
     def has(self, name):
         return self.path(name).is_file()
@@ -2302,7 +2303,9 @@ class ProgramStore:
             self.path(name).unlink(missing_ok=True)
             return False
 
-    def save(self, name, compiled, statics):
+    def save(self, name, compiled, statics, from_xla_cache=False):
+        if from_xla_cache and self.cpu:  # serialized without its machine code (see above): compiled anew next time
+            return
         import pickle
         from jax.experimental import serialize_executable
         try:
@@ -2325,6 +2328,10 @@ class ProgramStore:
             os.replace(partial, index_path)
         except (OSError, ValueError) as e:
             log(f"warning: the program store's index was not written ({type(e).__name__}: {e})")
+
+
+def program_file(folder, name):
+    return folder / (name.replace(" ", "-") + ".xla")
 
 
 def read_program(path):
@@ -2367,7 +2374,7 @@ class Prefetch:
         self.folder = entry["folder"]
         pool = ThreadPoolExecutor(threads or min(os.cpu_count() or 1, 16), thread_name_prefix="prefetch")
         for name in entry["first"]:
-            path = root / self.folder / (name.replace(" ", "-") + ".xla")
+            path = program_file(root / self.folder, name)
             if path.is_file():
                 self.jobs[name] = pool.submit(read_program, path)
         pool.shutdown(wait=False)
@@ -4658,7 +4665,7 @@ def load(server):
             log(f"error: the background warm-up stopped: {type(e).__name__}: {e}")
             return
         if store is not None:
-            store.remember(prefetch.early, server.warm_up.build.order[:server.warm_up.first_count])
+            store.remember(prefetch.early, server.warm_up.first_names)
         log(f"warm-up: {len(engine.batch_buckets)} batch sizes x {len(engine.length_buckets)} windows, "
             f"{server.warm_up.build.counts()}; {METRICS.compilations} XLA compilations in all "
             f"({METRICS.compile_cache_hits} from the compilation cache) in {time.time() - started:.1f}s")

@@ -148,8 +148,8 @@ def request(url, body=None):
 
 def measure_server(serve_py, model_dir, flags, env, work, cache=""):
     """(RSS MiB after warm-up and one request, the memory table lines the server logged, its answer, seconds
-    from launch to the first /health 200 and to nothing left compiling). Over TCP: an older serve.py has
-    no --uds."""
+    from launch to the first /health 200 and to nothing left compiling, its /metrics counters). Over TCP: an
+    older serve.py has no --uds."""
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -183,8 +183,8 @@ def measure_server(serve_py, model_dir, flags, env, work, cache=""):
         server.terminate()
         server.wait(60)
     table = [l.split(" ", 1)[1] for l in log_path.read_text().splitlines() if " memory: " in l]
-    measure_server.metrics = {k: float(v) for k, v in metrics.items() if k.endswith("_total")}
-    return rss, table, answer["choices"][0]["text"], ready, complete
+    counters = {k: float(v) for k, v in metrics.items() if k.endswith("_total")}
+    return rss, table, answer["choices"][0]["text"], ready, complete, counters
 
 
 def servers(args, env):
@@ -193,7 +193,7 @@ def servers(args, env):
     rows = []
     for name, flags in SERVER_SETTINGS.items():
         for side, serve_py in sides:
-            rss, table, text, ready, complete = measure_server(serve_py, args.model, flags, env, work)
+            rss, table, text, ready, complete, _ = measure_server(serve_py, args.model, flags, env, work)
             rows.append((name, side, rss, text))
             print(f"{name}, {side}: RSS {rss:,.0f} MiB after warm-up and one request; ready {ready:.1f}s after "
                   f"launch, nothing left compiling after {complete:.1f}s; answer {text!r}", flush=True)
@@ -216,9 +216,8 @@ def restarts(args, env):
         for start in ("cold", "program store", "XLA's cache"):  # on a CPU, XLA's cache hits are not stored
             if start == "XLA's cache":
                 shutil.rmtree(cache / "programs")
-            rss, _, text, ready, complete = measure_server(str(REPO / "serve.py"), args.model, SERVER_SETTINGS[name],
-                                                           env, work, cache=str(cache))
-            metrics = measure_server.metrics
+            rss, _, text, ready, complete, metrics = measure_server(str(REPO / "serve.py"), args.model,
+                                                                    SERVER_SETTINGS[name], env, work, cache=str(cache))
             rows.append((name, start, ready, complete, rss, metrics.get("serve_compilations_total", 0),
                          metrics.get("serve_compile_cache_hits_total", 0), text))
             print(rows[-1], flush=True)
