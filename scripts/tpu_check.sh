@@ -12,7 +12,8 @@
 #          completions, chat, streaming, a prefix-cached system prompt, a JSON schema, the adapter; then tokens/s
 #          and time to first token at 1, 8, 32 and 64 concurrent clients, and the compilations they caused
 #   restart serve.py started cold, then warm from XLA's compilation cache alone, then warm from the program
-#          store too: launch to ready and to the full warm-up, the compilations each made (issue #33)
+#          store too: launch to ready and to the full warm-up, the compilations each made (issue #33); then
+#          scripts/profile_load.py: where loading the model's time goes
 #   bench  scripts/tpu_check.py: train ms/step and MFU, decode tokens/s next to the bandwidth limit and warm-up
 #          seconds at batch 1, 8 and 64, for bfloat16, then int8, then int4 (one 2B warm-up per batch: minutes)
 # Every stage writes its log unbuffered under $OUT as it goes, so a call cut short still reports, and
@@ -144,6 +145,9 @@ for stage in $stages; do
       row "| restart $start | ready ${ready:-never}s, nothing left compiling ${complete:-never}s after launch; ${metrics}answer ${answer@Q} |"
       grep -E "imports and|model:|warm-up:|ready on|memory: RSS" "$out/restart_$start.log" | tee -a "$summary"
     done
+    # Where a warm start's model loading goes (the weights are in the page cache, loading's programs in XLA's)
+    log=restart run_stage profile_load python3 scripts/profile_load.py --model "$model" --dtype bfloat16 \
+      --compile-cache "$cache" --top 20
     ;;
   bench)
     for q in ${TPU_CHECK_QUANTIZE:-none int8 int4}; do  # int4 last: a call cut short still has the first two
