@@ -148,6 +148,11 @@ for stage in $stages; do
     # Where a warm start's model loading goes (the weights are in the page cache, loading's programs in XLA's)
     log=restart run_stage profile_load python3 scripts/profile_load.py --model "$model" --dtype bfloat16 \
       --compile-cache "$cache" --top 20
+    log=restart run_stage backend_alone python3 -c "import time; t = time.time(); import jax; jax.devices(); \
+print(f'import jax and start the backend, nothing else: {time.time() - t:.1f}s')"
+    log=restart run_stage importtime python3 -c "import subprocess, sys; lines = subprocess.run([sys.executable, \
+'-X', 'importtime', '-c', 'import sys; sys.modules[\"tensorflow\"] = None; import keras_hub'], capture_output=True, \
+text=True).stderr.splitlines(); print(*sorted(lines[1:], key=lambda l: -int(l.split('|')[1]))[:25], sep='\n')"
     ;;
   bench)
     for q in ${TPU_CHECK_QUANTIZE:-none int8 int4}; do  # int4 last: a call cut short still has the first two

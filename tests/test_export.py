@@ -109,9 +109,36 @@ def test_export_only_needs_a_trained_output(run_train, tmp_path):
 def test_the_adapter_helpers_are_the_same_in_both_scripts():
     for name in ("AdapterError", "lora_layer", "kernel_axes", "lora_kernel_shapes", "keras_factors_to_peft",
                  "read_keras_adapter", "parse_lora_modules", "keras_lora_scale", "keep_tensorflow_out",
-                 "load_causal_lm", "zeros_for_random_initializers"):
+                 "load_causal_lm", "zeros_for_random_initializers", "mapped_safetensors", "MappedSafetensors"):
         assert inspect.getsource(getattr(serve, name)) == inspect.getsource(getattr(train_local, name)), name
     assert serve.LORA_MODULES == train_local.LORA_MODULES
+
+
+def test_mapped_safetensors_reads_what_safetensors_reads(tmp_path):
+    """The loader's own reader (a view of the mapped file, no copy off a CPU) gives safetensors' tensors, dtype
+    for dtype, and keras-hub's module is handed back afterwards."""
+    import ml_dtypes
+    from keras_hub.src.utils.transformers import safetensor_utils
+    rng = np.random.default_rng(0)
+    tensors = {"f32": rng.normal(size=(3, 5)).astype(np.float32), "f16": rng.normal(size=(7,)).astype(np.float16),
+               "bf16": rng.normal(size=(2, 3, 4)).astype(ml_dtypes.bfloat16), "i8": np.arange(-4, 5, dtype=np.int8),
+               "i64": np.arange(6, dtype=np.int64).reshape(2, 3), "bool": np.array([True, False, True]),
+               "scalar": np.array(2.5, dtype=np.float32)}
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "np"})
+    for copy in (False, True):
+        with serve.MappedSafetensors(tmp_path / "model.safetensors", copy) as f:
+            assert sorted(f.keys()) == sorted(tensors)
+            for name, expected in tensors.items():
+                got = f.get_tensor(name)
+                assert got.dtype == expected.dtype and got.shape == expected.shape, name
+                np.testing.assert_array_equal(got, expected, err_msg=name)
+                assert got.flags.writeable == copy  # a view of the read-only map, or a copy of its own
+            kept = f.get_tensor("f32")
+        np.testing.assert_array_equal(kept, tensors["f32"])  # a view outlives the file's context
+    original = safetensor_utils.safetensors
+    with serve.mapped_safetensors():
+        assert safetensor_utils.safetensors is not original
+    assert safetensor_utils.safetensors is original
 
 
 def test_train_local_trains_and_exports_without_tensorflow(tiny_model, compile_cache, tmp_path):
