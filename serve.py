@@ -4751,6 +4751,7 @@ def load(server):
 
 def main(argv=None):
     keep_tensorflow_out()  # before anything imports keras-hub
+    sys.modules.setdefault("matplotlib", None)  # Keras imports pyplot when it is installed; nothing here draws
     args = parse_args(argv)
     check_model_exists(args.model)
     check_adapters_exist(args)

@@ -44,6 +44,9 @@ export KERAS_BACKEND=jax PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=3
 if [ -d .whl-tpu ] && ! python3 -c "import keras_hub" 2>/dev/null; then
   PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-index --no-deps --no-compile --no-cache-dir \
     --upgrade --target /tmp/site .whl-tpu/*.whl || exit 1
+  # Bytecode now, as a normal pip install makes it: without it every start compiles keras' and keras-hub's
+  # thousands of modules again wherever Python may not write it (PYTHONDONTWRITEBYTECODE), seconds a start.
+  python3 -m compileall -q -j 0 /tmp/site >/dev/null 2>&1
   export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/site"
 fi
 if [ -d /opt/pypi/simple ] && ! python3 -c "import matplotlib, jsonschema" 2>/dev/null; then  # the TPU image's index
@@ -152,7 +155,8 @@ for stage in $stages; do
 print(f'import jax and start the backend, nothing else: {time.time() - t:.1f}s')"
     log=restart run_stage importtime python3 -c "import subprocess, sys; lines = subprocess.run([sys.executable, \
 '-X', 'importtime', '-c', 'import sys; sys.modules[\"tensorflow\"] = None; import keras_hub'], capture_output=True, \
-text=True).stderr.splitlines(); print(*sorted(lines[1:], key=lambda l: -int(l.split('|')[1]))[:25], sep='\n')"
+text=True).stderr.splitlines(); lines = [l for l in lines if l.startswith('import time:') and 'cumulative' not in l]; \
+print(f'bytecode written: {not sys.dont_write_bytecode}', *sorted(lines, key=lambda l: -int(l.split('|')[1]))[:25], sep='\n')"
     ;;
   bench)
     for q in ${TPU_CHECK_QUANTIZE:-none int8 int4}; do  # int4 last: a call cut short still has the first two
