@@ -71,7 +71,7 @@ run_stage() {
   return $rc
 }
 
-row "# tpu_check $(git rev-parse --short HEAD 2>/dev/null) $(date -u +%Y-%m-%dT%H:%MZ): $stages, config $config"
+row "# tpu_check $(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet HEAD 2>/dev/null || echo " with changes") $(date -u +%Y-%m-%dT%H:%MZ): $stages, config $config"
 python3 -c "import jax; d = jax.devices()[0]; print(f'device: {d.device_kind} x{jax.device_count()} ({jax.default_backend()}), jax {jax.__version__}')" 2>&1 | tee -a "$summary"
 row "| stage | result |"
 row "|---|---|"
