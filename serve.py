@@ -601,16 +601,15 @@ class zeros_for_random_initializers:
         from keras.src.backend.common import variables
         variables.Variable._initialize_with_initializer = self.initialize
 
+
 class mapped_safetensors:
     """While a checkpoint loads, keras-hub reads each tensor of a .safetensors file as a view of the file mapped
-    into memory, not as a fresh copy: the weights go from the page cache to the accelerator with no host copy
-    in between. The copy was most of a warm load on the TPU host: 5.9 of 7.8 s for gemma_2b's 4.7 GiB, the
-    cost of faulting in fresh pages. On a CPU each tensor is still copied, as safetensors did: there JAX may
-    keep an aligned host array as the weight itself, and a file rewritten under a running server (a new
-    training run into the same directory) would then crash it."""
-    DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
-              "U32": "uint32", "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16",
-              "F32": "float32", "F64": "float64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+    into memory, not as a fresh copy: off a CPU the weights go from the page cache to the accelerator with no
+    host copy of their own (a converter's transpose still makes one). That copy was most of a warm load on
+    the TPU host: 5.9 of 7.8 s for gemma_2b's 4.7 GiB, faulting in fresh pages. On a CPU each tensor is
+    still copied once (safetensors copied twice): there JAX may keep an aligned host array as the weight
+    itself, and a file rewritten under a running server (a new training run into the same directory)
+    would then crash it."""
 
     def __enter__(self):
         from keras_hub.src.utils.transformers import safetensor_utils
@@ -630,6 +629,9 @@ class MappedSafetensors:
     """One .safetensors file as safetensors' safe_open(framework="np") reads it: keys() and get_tensor(name).
     The format: a little-endian u64 header length, a JSON header of name -> dtype, shape and byte offsets
     into the data that follows."""
+    DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
+              "U32": "uint32", "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16",
+              "F32": "float32", "F64": "float64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 
     def __init__(self, path, copy):
         import mmap
@@ -657,7 +659,7 @@ class MappedSafetensors:
     def get_tensor(self, name):
         import numpy as np
         entry = self.header[name]
-        dtype = np.dtype(mapped_safetensors.DTYPES[entry["dtype"]])
+        dtype = np.dtype(self.DTYPES[entry["dtype"]])
         begin, end = entry["data_offsets"]
         tensor = np.frombuffer(self.map, dtype, (end - begin) // dtype.itemsize, self.start + begin)
         tensor = tensor.reshape(entry["shape"])
