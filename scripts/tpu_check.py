@@ -2,6 +2,7 @@
 random weights, bfloat16, rank-16 LoRA, on one GPU or TPU chip.
 
     python3 scripts/tpu_check.py [--config gemma_2b|tiny] [--steps 20] [--quantize int8] [--batches 1,8,64]
+                                 [--unroll on,off] [--long on,off] [--groups]
 
 Measures the product's own code paths: train_local.Trainer's compiled train step at batch 4 x 512
 (ms/step after compile, MFU against the chip's bf16 peak), serve.Engine's batched decode (generated
@@ -13,7 +14,9 @@ measures the same with the dense layers quantized before LoRA is enabled (QLoRA,
 --quantize`), and reports the weight memory of each setting. Decode speed is printed next to its limit:
 the weight bytes over the read bandwidth a jitted sum measures in the same process (issue #21). Last,
 the train step's planned temporaries with and without --remat (gradient checkpointing, which XLA's CPU
-backend ignores).
+backend ignores). Issue #33 item 3, whether a program kind pays on this chip: --unroll on,off (decode chunks
+unrolled or looped), --long on,off (a lone request's decodes of up to 64 tokens a dispatch, or 4), and
+--groups (a burst of prompts prefilled in groups, or one by one).
 """
 import argparse
 import math
@@ -54,6 +57,10 @@ def parse_args():
     p.add_argument("--skip-train", action="store_true", help="decode only")
     p.add_argument("--unroll", default="auto", help="decode chunks unrolled: auto (serve.py's choice by weight "
                    "bytes), on, off, or both settings side by side: on,off (issue #33: does it pay here?)")
+    p.add_argument("--long", default="on", help="the smallest batch's long decodes (up to 64 tokens a dispatch "
+                   "when no request waits): on, off, or on,off side by side")
+    p.add_argument("--groups", action="store_true", help="also time a burst of prompts (each batch size of "
+                   "--batches above 1) prefilled in groups against one by one, per prompt block")
     return p.parse_args()
 
 
@@ -122,17 +129,26 @@ def train_step_temporaries(model, args):
     return sizes
 
 
-def time_generation(model, args, batch_size, unroll="auto"):
+def bench_engine(model, batch_sizes, length):
+    """serve.py's Engine over random weights: never stops early, detokenizes nothing."""
+    import serve
+    tokenizer = types.SimpleNamespace(proto=None, start_token_id=2, end_token_id=1, pad_token_id=0,
+                                      get_vocabulary=lambda: [], token_to_id=lambda _: None, detokenize=str)
+    engine = serve.Engine(model, batch_sizes, [length], None, tokenizer=tokenizer)
+    engine.stop_ids = set()  # random weights: never stop early, always generate max_tokens
+    engine.decode = lambda ids: ""  # measure the model, not detokenisation
+    return engine
+
+
+def time_generation(model, args, batch_size, unroll="auto", long="on"):
     import numpy as np
     import serve
     serve.UNROLL_FROM_BYTES = {"on": 0, "off": float("inf")}.get(unroll, UNROLL_FROM_BYTES)
     serve.UNROLL_FROM_BATCH_OFF_CPU = 1 if unroll == "on" else UNROLL_FROM_BATCH_OFF_CPU
-    tokenizer = types.SimpleNamespace(proto=None, start_token_id=2, end_token_id=1, pad_token_id=0,
-                                      get_vocabulary=lambda: [], token_to_id=lambda _: None, detokenize=str)
-    prompt_length, total = 32, 32 + args.new_tokens
-    engine = serve.Engine(model, [batch_size], [total], None, tokenizer=tokenizer)
-    engine.stop_ids = set()  # random weights: never stop early, always generate new_tokens
-    engine.decode = lambda ids: ""  # measure the model, not detokenisation
+    prompt_length = 32
+    engine = bench_engine(model, [batch_size], prompt_length + args.new_tokens)
+    if long == "off":  # neither compiled nor dispatched: every decode is DECODE_CHUNK tokens a dispatch
+        engine.programs[batch_size] = engine.programs[batch_size]._replace(decode_long=None)
     started = time.time()
     warm_up = engine.warm_up()
     compile_seconds = time.time() - started
@@ -150,6 +166,31 @@ def time_generation(model, args, batch_size, unroll="auto"):
     seconds = time.time() - started
     assert all(len(g.ids) == args.new_tokens for g in done)
     return batch_size * args.new_tokens / seconds, compile_seconds
+
+
+def time_grouped_prefills(model, batch_size, best_of=3):
+    """{block: (ms grouped, ms one by one)}: a burst of batch_size prompts of each groupable block length,
+    admitted at once, to their first token (max_tokens 1), best of `best_of` after a run that warms up."""
+    import numpy as np
+    import serve
+    engine = bench_engine(model, [batch_size], max(serve.GROUP_BLOCK, 64) + 8)
+    engine.warm_up()
+    rng = np.random.default_rng(3)
+    times = {}
+    for block in engine.group_blocks:
+        row = []
+        for grouping in (True, False):
+            engine.grouping = grouping
+            best = float("inf")
+            for _ in range(best_of + 1):
+                rows = [serve.Generation([2] + rng.integers(3, 1000, block - 1).tolist(), 1,
+                                         serve.SAMPLER_DEFAULTS["greedy"], 0, [], None) for _ in range(batch_size)]
+                started = time.time()
+                engine.generate(rows, batch_size)
+                best = min(best, time.time() - started)
+            row.append(best * 1000)
+        times[block] = tuple(row)
+    return times
 
 
 def time_keras_hub_generate(model, args, batch_size):
@@ -203,14 +244,19 @@ def main():
     print(f"limit: {limit:,.0f} tok/s a row ({bandwidth / 1e9:,.0f} GB/s read by a jitted sum over "
           f"{weights:.2f} GiB of weights)", flush=True)
     for batch_size in map(int, args.batches.split(",")):
-        for unroll in args.unroll.split(","):
-            tps, compile_s = time_generation(model, args, batch_size, unroll)
+        for unroll, long in [(u, lo) for u in args.unroll.split(",") for lo in args.long.split(",")]:
+            tps, compile_s = time_generation(model, args, batch_size, unroll, long)
             reference = time_keras_hub_generate(model, args, batch_size) if args.reference else None
             print(f"generate: batch {batch_size}: {tps:,.0f} tok/s with serve.py's engine "
-                  f"({'' if unroll == 'auto' else 'unroll ' + unroll + ', '}warm-up {compile_s:.0f}s), "
+                  f"({'' if unroll == 'auto' else 'unroll ' + unroll + ', '}"
+                  f"{'' if args.long == 'on' else 'long decodes ' + long + ', '}warm-up {compile_s:.0f}s), "
                   f"{tps / (batch_size * limit):.0%} of {batch_size} x the limit"
                   + (f"; keras-hub generate(): {reference:,.0f} tok/s" if reference else "")
                   + f" ({args.new_tokens} new tokens after a 32-token prompt, its prefill included)", flush=True)
+    for batch_size in (b for b in map(int, args.batches.split(",")) if args.groups and b > 1):
+        for block, (grouped, alone) in time_grouped_prefills(model, batch_size).items():
+            print(f"prefill: {batch_size} prompts of {block} tokens to their first token: {grouped:,.0f} ms in "
+                  f"groups, {alone:,.0f} ms one by one ({alone / grouped:.2f}x)", flush=True)
     print(f"memory: peak {peak_memory_gib():.1f} GiB on device (after training: {train_peak:.1f} GiB)")
     if args.quantize == "none" and not args.skip_train:  # last: it wraps the model's decoder blocks
         plain, rematted = train_step_temporaries(model, args)
