@@ -38,6 +38,13 @@ def wait_for_metric(server, name, at_least, timeout=30):
     raise AssertionError(f"{name} stayed at {server.metric(name)} (wanted >= {at_least})")
 
 
+def wait_for_log(server, pattern, timeout=10):
+    deadline = time.time() + timeout
+    while not re.search(pattern, server.output()):
+        assert time.time() < deadline, f"no log line matching {pattern!r}:\n{server.output()[-2000:]}"
+        time.sleep(0.05)
+
+
 def closed_by_server(s, within):
     """True if the server closes `s` within `within` seconds (EOF or reset), draining any answer first."""
     s.settimeout(within)
@@ -80,7 +87,7 @@ def test_a_client_that_leaves_has_its_generation_cancelled(server):
     assert server.metric("serve_generated_tokens_total") - generated < 4 * 300 / 2
     status, answer, _ = post_raw(server.port, {"prompt": "After", "max_tokens": 5, "temperature": 0})
     assert status == 200 and answer["completion_tokens"] <= 5
-    assert re.search(r"POST / 499 .* finish=cancelled", server.output())
+    wait_for_log(server, r"POST / 499 .* finish=cancelled")
 
 
 def test_a_streaming_client_that_leaves_is_cancelled(server):
@@ -144,7 +151,7 @@ def test_expect_100_continue_is_refused_up_front_when_too_large(server):
 def test_request_id_round_trip(server):
     _, _, headers = post_raw(server.port, {"prompt": "Hi", "max_tokens": 2}, headers={"X-Request-Id": "trace-42"})
     assert headers["X-Request-Id"] == "trace-42"
-    assert re.search(r"POST / 200 \d+ms id=trace-42 ", server.output())
+    wait_for_log(server, r"POST / 200 \d+ms id=trace-42 ")  # logged once the reply is sent, so maybe just after
     _, _, headers = post_raw(server.port, {"prompt": "Hi", "max_tokens": 2})
     assert re.fullmatch(r"[0-9a-f]{32}", headers["X-Request-Id"])
     status, _, headers = http("GET", server.url + "/nowhere", headers={"X-Request-Id": "err-1"})
