@@ -3,9 +3,10 @@
     python3 scripts/profile_load.py --model .demo/gemma3-270m [--dtype bfloat16] [--quantize int8] [--top 25]
                                     [--compile-cache DIR]
 
-Prints the seconds of the imports, the backend's start (alongside keras-hub's import, as serve.py does), building the backbone (its variables' first values),
-converting and assigning the checkpoint's weights, the tokenizer and quantizing, then the functions that took
-the most time. A warm restart of serve.py on a TPU spends about 9 s here for gemma_2b (BENCHMARKS.md).
+Prints the seconds of the imports, the backend's start (alongside keras-hub's import, as serve.py does),
+building the backbone (its variables' first values), reading and assigning the checkpoint's weights, the
+tokenizer and quantizing, then the functions that took the most time. gemma_2b on a TPU v5e host, warm:
+load_model 7.8 s before the weights were read from the mapped file, 1.8 s after (BENCHMARKS.md).
 """
 import argparse
 import cProfile
