@@ -57,8 +57,8 @@ def parse_args():
     p.add_argument("--skip-train", action="store_true", help="decode only")
     p.add_argument("--unroll", default="auto", help="decode chunks unrolled: auto (serve.py's choice by weight "
                    "bytes), on, off, or both settings side by side: on,off (issue #33: does it pay here?)")
-    p.add_argument("--long", default="on", help="the smallest batch's long decodes (up to 64 tokens a dispatch "
-                   "when no request waits): on, off, or on,off side by side")
+    p.add_argument("--long", default="auto", help="the smallest batch's long decodes (up to 64 tokens a dispatch "
+                   "when no request waits): auto (serve.py's choice: on a CPU only), on, off, or on,off side by side")
     p.add_argument("--groups", action="store_true", help="also time a burst of prompts (each batch size of "
                    "--batches above 1) prefilled in groups against one by one, per prompt block")
     return p.parse_args()
@@ -147,8 +147,8 @@ def time_generation(model, args, batch_size, unroll="auto", long="on"):
     serve.UNROLL_FROM_BATCH_OFF_CPU = 1 if unroll == "on" else UNROLL_FROM_BATCH_OFF_CPU
     prompt_length = 32
     engine = bench_engine(model, [batch_size], prompt_length + args.new_tokens)
-    if long == "off":  # neither compiled nor dispatched: every decode is DECODE_CHUNK tokens a dispatch
-        engine.programs[batch_size] = engine.programs[batch_size]._replace(decode_long=None)
+    if long != "auto":  # off: neither compiled nor dispatched, every decode is DECODE_CHUNK tokens a dispatch
+        engine.programs[batch_size] = engine.batch_programs(batch_size, long=long == "on")
     started = time.time()
     warm_up = engine.warm_up()
     compile_seconds = time.time() - started
@@ -249,7 +249,7 @@ def main():
             reference = time_keras_hub_generate(model, args, batch_size) if args.reference else None
             print(f"generate: batch {batch_size}: {tps:,.0f} tok/s with serve.py's engine "
                   f"({'' if unroll == 'auto' else 'unroll ' + unroll + ', '}"
-                  f"{'' if args.long == 'on' else 'long decodes ' + long + ', '}warm-up {compile_s:.0f}s), "
+                  f"{'' if args.long == 'auto' else 'long decodes ' + long + ', '}warm-up {compile_s:.0f}s), "
                   f"{tps / (batch_size * limit):.0%} of {batch_size} x the limit"
                   + (f"; keras-hub generate(): {reference:,.0f} tok/s" if reference else "")
                   + f" ({args.new_tokens} new tokens after a 32-token prompt, its prefill included)", flush=True)

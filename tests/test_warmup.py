@@ -116,6 +116,17 @@ def test_a_parallel_warm_up_compiles_what_the_serial_one_runs(model):
     assert len(compiled) == before
 
 
+def test_long_decodes_are_built_on_a_cpu_only_and_in_the_smallest_batch(model, monkeypatch):
+    import jax
+    cpu = serve.Engine(model, [1, 2], [64], None)
+    assert cpu.programs[1].decode_long is not None and cpu.programs[2].decode_long is None
+    # Off a CPU, dispatching ahead hides what they save (a TPU v5e: 143 tok/s without, 140 with).
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    accelerator = serve.Engine(model, [1, 2], [64], None)
+    assert accelerator.dispatch_ahead and all(p.decode_long is None for p in accelerator.programs.values())
+    assert accelerator.programs[1].decode is not None
+
+
 @pytest.mark.device
 def test_a_restart_loads_every_program_from_the_store_and_answers_the_same(model, tmp_path):
     compiled = []
