@@ -20,14 +20,16 @@ def runs(tmp_path_factory, tiny_model, run_train):
     base = tmp_path_factory.mktemp("dist")
     common = ["--model", tiny_model, "--data", SAMPLE_DATA, "--limit", 32, "--eval-examples", 12,
               "--learning-rate", 1e-3, "--seed", 3]
-    outputs = {}
-    for name, extra, env in [("single", [], None),
-                             ("data", ["--distribution", "data"], FOUR_DEVICES),
-                             ("model", ["--distribution", "model", "--mesh", "2,2"], FOUR_DEVICES),
-                             ("model_1x4", ["--distribution", "model", "--mesh", "1,4"], FOUR_DEVICES)]:
-        result = run_train(*common, *extra, "--output", base / name, env=env, check=True)
-        outputs[name] = (base / name, result.stdout)
-    return outputs
+    settings = [("single", [], None), ("data", ["--distribution", "data"], FOUR_DEVICES),
+                ("model", ["--distribution", "model", "--mesh", "2,2"], FOUR_DEVICES),
+                ("model_1x4", ["--distribution", "model", "--mesh", "1,4"], FOUR_DEVICES)]
+
+    def train(setting):
+        name, extra, env = setting
+        return name, (base / name, run_train(*common, *extra, "--output", base / name, env=env, check=True).stdout)
+    # Two at a time: much of a run (imports, tracing) is one thread's work, and the machine has two cores.
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        return dict(pool.map(train, settings))
 
 
 def record(path):
