@@ -165,6 +165,10 @@ def test_kill_and_resume_ends_like_an_uninterrupted_run(tmp_path, tiny_model, ru
     assert not out.exists() and (tmp_path / "killed.partial" / "checkpoint.npz").exists()
     result = run_train(*common, "--output", out, "--resume", check=True)
     assert "continuing after step 6" in result.stdout
+    # A third start of the same shapes with one compile cache: every warm-up program is loaded from it.
+    warmed = [line for line in result.stdout.splitlines() if line.startswith("compiled train step")]
+    programs = sum(1 + (", eval step" in line) for line in warmed)
+    assert warmed and f"compilation cache: {programs} of these programs loaded, not compiled" in result.stdout
     straight = json.loads((tmp_path / "straight" / "training.json").read_text())
     resumed = json.loads((out / "training.json").read_text())
     assert [h["step"] for h in resumed["history"]] == [h["step"] for h in straight["history"]]
