@@ -140,14 +140,14 @@ def bench_engine(model, batch_sizes, length):
     return engine
 
 
-def time_generation(model, args, batch_size, unroll="auto", long="on"):
+def time_generation(model, args, batch_size, unroll="auto", long="auto"):
     import numpy as np
     import serve
     serve.UNROLL_FROM_BYTES = {"on": 0, "off": float("inf")}.get(unroll, UNROLL_FROM_BYTES)
     serve.UNROLL_FROM_BATCH_OFF_CPU = 1 if unroll == "on" else UNROLL_FROM_BATCH_OFF_CPU
     prompt_length = 32
     engine = bench_engine(model, [batch_size], prompt_length + args.new_tokens)
-    if long != "auto":  # off: neither compiled nor dispatched, every decode is DECODE_CHUNK tokens a dispatch
+    if long != "auto":  # built or not whatever the backend; without them every decode is DECODE_CHUNK a dispatch
         engine.programs[batch_size] = engine.batch_programs(batch_size, long=long == "on")
     started = time.time()
     warm_up = engine.warm_up()
