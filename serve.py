@@ -413,14 +413,26 @@ def start_backend():
 
 def make_text_codec(tokenizer):
     """(encode, decode) without TensorFlow: SentencePiece directly for Gemma-family tokenizers."""
-    proto = getattr(tokenizer, "proto", None)
-    if proto is not None:
-        import sentencepiece
-        if isinstance(proto, (str, os.PathLike)):
-            proto = Path(proto).read_bytes()
-        sp = sentencepiece.SentencePieceProcessor(model_proto=proto)
+    sp = sentence_piece(tokenizer)
+    if sp is not None:
         return sp.encode, sp.decode
     return (lambda text: np.asarray(tokenizer(text)).tolist()), (lambda ids: str(tokenizer.detokenize(ids)))
+
+
+def sentence_piece(tokenizer):
+    """The SentencePieceProcessor of a keras-hub SentencePiece tokenizer (None for any other): keras-hub's
+    own when it has one. Each costs its vocabulary's size in RSS (Gemma 3's 262,144 pieces: 44 MiB), and the
+    text codec and the grammar's token table both use it."""
+    proto = getattr(tokenizer, "proto", None)
+    if proto is None:
+        return None
+    own = getattr(tokenizer, "_sentence_piece_spm", None)
+    if own is not None and hasattr(own, "encode") and hasattr(own, "decode"):
+        return own
+    import sentencepiece
+    if isinstance(proto, (str, os.PathLike)):
+        proto = Path(proto).read_bytes()
+    return sentencepiece.SentencePieceProcessor(model_proto=proto)
 
 
 def check_model_exists(preset):
@@ -726,12 +738,11 @@ def grammar_tokenizer(tokenizer, vocabulary_size, stop_ids):
     if proto is None:
         return None
     import llguidance
-    import sentencepiece
     from sentencepiece import sentencepiece_model_pb2
     if isinstance(proto, (str, os.PathLike)):
         proto = Path(proto).read_bytes()
     pieces = sentencepiece_model_pb2.ModelProto.FromString(proto).pieces
-    sp = sentencepiece.SentencePieceProcessor(model_proto=proto)
+    sp = sentence_piece(tokenizer)
 
     class Vocabulary:  # the attributes and call llguidance.TokenizerWrapper reads
         eos_token_id, bos_token_id = min(stop_ids), tokenizer.start_token_id
@@ -1135,8 +1146,9 @@ def shape_of(a):
 class Program:
     """One of the engine's jitted programs, and the executables a ProgramStore loaded for it, by call
     signature: a call runs the loaded executable that matches it, else the jit, whose own caches hold
-    what the warm-up compiled. A loaded executable was never traced in this process: a restart skips
-    tracing, which a warm-up does one program at a time (see ProgramStore)."""
+    what the warm-up compiled (until the server hands those here too: Builder.drop_tracing). A loaded
+    executable was never traced in this process: a restart skips tracing, which a warm-up does one
+    program at a time (see ProgramStore)."""
 
     def __init__(self, fn, static_argnums=(), **jit_options):
         import jax
@@ -1455,10 +1467,9 @@ def decode_steps(model, variables, adapters, unroll, values, view, window, offse
         if len(sampling) > len(SAMPLE_ARRAYS):  # a test may call a step with sample()'s arrays alone
             logits = adjust_logits(logits, at, view[1], *sampling[len(SAMPLE_ARRAYS):])
         if masks is not None:  # last: a grammar's mask holds whatever the penalties and biases did
-            # At the chunk's first token only: the next mask depends on the token before it. A row's later
+            # At the dispatch's first token only: the next mask depends on the token before it. A row's later
             # tokens are drawn free and kept by the host only where the mask could not have changed them.
-            logits = jax.lax.cond(constrained & (offset == offsets[0]), apply_token_mask, lambda l, _: l, logits,
-                                  masks)
+            logits = jax.lax.cond(constrained & (offset == 0), apply_token_mask, lambda l, _: l, logits, masks)
         tokens, logprobs = sample(logits, at, *sampling[:len(SAMPLE_ARRAYS)])
         return (view, tokens), (tokens, logprobs)
     # `unroll`: XLA lays out the weights and the cache for its dots after it has looked for loop-invariant
@@ -1494,7 +1505,7 @@ def decode_chunk(model, variables, adapters, axes, unroll, values, cache, window
     return outputs, write_view(axes, cache, view)
 
 
-def decode_until_done(model, variables, adapters, axes, unroll, values, cache, window, steps, tokens, positions,
+def decode_until_done(model, variables, adapters, axes, unroll, values, cache, window, steps, masks, tokens, positions,
                       remaining, stop_ids, limit, tables, slots, *sampling):
     """Up to `limit` tokens (at most `steps`, the size of the outputs) in one dispatch, DECODE_CHUNK at a
     time, stopping after the chunk in which the last row ended: sampled one of `stop_ids`, or made its
@@ -1503,13 +1514,15 @@ def decode_until_done(model, variables, adapters, axes, unroll, values, cache, w
     a program) once every `limit` tokens instead of every DECODE_CHUNK (Gemma 3 270M float32 on 2 CPU
     cores, batch 1, 16 tokens: 18.7 -> 21.0 tokens/s), yet never waits on more than DECODE_CHUNK - 1
     tokens past its end (stop strings are found on the host, after the dispatch). `limit` is an input, so
-    the host can size it to the model's speed without compiling anything (Engine.long_limit).
+    the host can size it to the model's speed without compiling anything (Engine.long_limit); at a `limit`
+    of DECODE_CHUNK it makes what decode_chunk does, grammar `masks` on the first token included, so the
+    batch that has it needs no decode_chunk of DECODE_CHUNK tokens (DecodeBatch.step).
     -> ((tokens, log-probabilities) per step, the number of steps made), cache."""
     import jax
     import jax.numpy as jnp
     view = window_view(axes, cache, window)
     shapes = jax.eval_shape(lambda: decode_steps(model, variables, adapters, unroll, values, view, window,
-                                                 jnp.arange(DECODE_CHUNK), None, tokens, positions, tables, slots,
+                                                 jnp.arange(DECODE_CHUNK), masks, tokens, positions, tables, slots,
                                                  sampling)[1])
     outputs = jax.tree.map(lambda s: jnp.zeros((steps,) + s.shape[1:], s.dtype), shapes)
     alive = remaining > 0
@@ -1521,7 +1534,7 @@ def decode_until_done(model, variables, adapters, axes, unroll, values, cache, w
     def chunk(carry):
         view, tokens, made, alive, outputs = carry
         (view, tokens), out = decode_steps(model, variables, adapters, unroll, values, view, window,
-                                           made + jnp.arange(DECODE_CHUNK), None, tokens, positions, tables, slots,
+                                           made + jnp.arange(DECODE_CHUNK), masks, tokens, positions, tables, slots,
                                            sampling)
         outputs = jax.tree.map(lambda whole, part: jax.lax.dynamic_update_slice_in_dim(whole, part, made, axis=0),
                                outputs, out)
@@ -1778,9 +1791,10 @@ class Engine:
         # `chunked`: the smallest batch's multi-token decodes exist (until then it decodes a token a step).
         self.ready_batches, self.grouping, self.chunked = list(batch_buckets), bool(self.group_sizes), True
         # A lone request decodes in the smallest batch, where the per-dispatch cost weighs most: on a CPU that
-        # batch size also gets decode_until_done's long chunks (one more program per window to compile). Off
-        # a CPU, dispatching ahead already hides that cost: gemma_2b on a TPU v5e decoded 140 tok/s with them
-        # and 143 without at batch 1 (998 and 1,016 at batch 8), and they cost 17-18 s of its warm-up.
+        # batch size gets decode_until_done's long chunks, which make its DECODE_CHUNKs too (one program per
+        # window for both). Off a CPU, dispatching ahead already hides that cost: gemma_2b on a TPU v5e decoded
+        # 140 tok/s with them and 143 without at batch 1 (998 and 1,016 at batch 8), and they cost 17-18 s of its
+        # warm-up.
         long = jax.default_backend() == "cpu"
         self.programs = {batch: self.batch_programs(batch, long=long and batch == batch_buckets[0])
                          for batch in batch_buckets}
@@ -2119,7 +2133,8 @@ class WarmUp:
             sampling = [feed(int32)] + [engine.feed(array) for array in RowSampling(batch).arrays()]  # slots first
             cache = self.batch_cache(batch)
             if steps == LONGEST_CHUNK:
-                inputs = (feed(int32), feed(int32), feed(int32), engine.feed(np.full(8, -1, int32), replicated=True),
+                inputs = (engine.open_masks(batch), feed(int32), feed(int32), feed(int32),
+                          engine.feed(np.full(8, -1, int32), replicated=True),
                           engine.feed(int32(LONG_CHUNK), replicated=True))
             else:
                 inputs = (engine.open_masks(batch), feed(int32), feed(int32))
@@ -2138,8 +2153,9 @@ class WarmUp:
         """A batch size's multi-token decodes: DECODE_CHUNK tokens (and on a CPU, in the smallest batch, up
         to LONGEST_CHUNK) a dispatch, over each window, and with dispatch-ahead the next chunk's input tokens."""
         engine, programs = self.engine, self.engine.programs[batch]
-        calls = [(f"decode batch {batch} window {window} chunk {DECODE_CHUNK}", programs.decode,
-                  self.decode_args(batch, window, DECODE_CHUNK)) for window in engine.length_buckets]
+        calls = [] if programs.decode_long is not None else [  # it makes the DECODE_CHUNKs (DecodeBatch.step)
+            (f"decode batch {batch} window {window} chunk {DECODE_CHUNK}", programs.decode,
+             self.decode_args(batch, window, DECODE_CHUNK)) for window in engine.length_buckets]
         if programs.decode_long is not None:
             calls += [(f"decode batch {batch} window {window} long", programs.decode_long,
                        self.decode_args(batch, window, LONGEST_CHUNK)) for window in engine.length_buckets]
@@ -2244,6 +2260,7 @@ class Builder:
         self.compiled = []  # (program, seconds to trace and lower, seconds to compile)
         self.loaded = []  # (program, seconds to load)
         self.lowered = {}  # one lowering per (program, arguments) object, however often used
+        self.executables = []  # (program, compiled, static arguments) of each program compiled here
         self.order = []  # every program's name, in the order submitted
         self.tracing = threading.RLock()  # an Output's program is lowered inside its consumer's lowering
 
@@ -2280,6 +2297,7 @@ class Builder:
         XLA_CACHE.hit = False
         compiled = lowered.compile()
         self.compiled.append((name, trace_seconds, time.time() - began))
+        self.executables.append((program, compiled, program.statics(args)))
         if self.store is not None:
             self.store.save(name, compiled, program.statics(args), from_xla_cache=XLA_CACHE.hit)
 
@@ -2289,6 +2307,17 @@ class Builder:
         with ThreadPoolExecutor(self.threads, thread_name_prefix="warm-up") as pool:
             for job in self.submit(pool, calls):
                 job.result()
+
+    def drop_tracing(self):
+        """Hands each program compiled here to its Program, as a loaded one is kept, and empties the lowerings
+        and JAX's caches: what tracing left there, about 5 MiB a program on XLA's CPU backend (Gemma 3 270M
+        int8, 23 programs: 106-126 MiB). Only for a process whose every program came from this Builder (the
+        server, after its warm-up): anything else jitted would compile again at its next call."""
+        import jax
+        for program, compiled, statics in self.executables:
+            program.add(compiled, statics)
+        self.executables, self.lowered = [], {}
+        jax.clear_caches()
 
     def counts(self):
         loaded, compiled, where = len(self.loaded), len(self.compiled), f"compiled on {self.threads} threads"
@@ -2720,22 +2749,25 @@ class DecodeBatch:
         if self.pending is not None and self.stale.any():  # rows that carry on: from the pending chunk's tokens
             tokens = self.next_tokens(self.pending[0], engine.feed(self.stale), tokens)
         inputs = tokens, engine.feed(self.positions)
+        # The batch with long decodes makes its DECODE_CHUNK tokens with that program too, stopped after one
+        # chunk: one unrolled program fewer to compile and hold (Gemma 3 270M int8 on a CPU: about 170 MiB).
+        looped = steps == LONG_CHUNK or (steps == DECODE_CHUNK and self.decode_long is not None)
         # A grammar row's tokens are checked, and its next mask made, before the next chunk is dispatched.
-        start, read_now = self.positions.copy(), steps != DECODE_CHUNK or masked or not engine.dispatch_ahead
-        if steps == LONG_CHUNK:
+        start, read_now = self.positions.copy(), looped or steps != DECODE_CHUNK or masked or not engine.dispatch_ahead
+        if looped:
             remaining = np.zeros(self.size, np.int32)  # free rows: none
             for row, g in busy:  # a row also ends where the cache does; at its end it still runs one chunk,
                 # after which settle() finishes it, as after a short chunk
                 remaining[row] = max(1, min(g.max_tokens - len(g.ids), self.length - 1 - self.positions[row]))
             stop_ids = np.full(8, -1, np.int32)  # one shape, whatever the model's stop tokens
             stop_ids[:len(engine.stop_ids)] = sorted(engine.stop_ids)
-            started = time.perf_counter()
+            limit, started = engine.long_limit() if steps == LONG_CHUNK else DECODE_CHUNK, time.perf_counter()
             ((sampled, logprobs), made), self.cache = self.decode_long(
-                engine.values, self.cache, window, LONGEST_CHUNK, *inputs, engine.feed(remaining),
-                engine.feed(stop_ids, replicated=True), engine.feed(np.int32(engine.long_limit()), replicated=True),
-                engine.lora_tables, *self.sampling)
-            steps = int(made)
-            if steps:  # none when no row is busy (the warm-up's)
+                engine.values, self.cache, window, LONGEST_CHUNK, self.grammars.inputs(masked), *inputs,
+                engine.feed(remaining), engine.feed(stop_ids, replicated=True),
+                engine.feed(np.int32(limit), replicated=True), engine.lora_tables, *self.sampling)
+            long, steps = steps == LONG_CHUNK, int(made)
+            if long and steps:  # none when no row is busy (the warm-up's)
                 engine.token_seconds = (time.perf_counter() - started) / steps
         else:
             (sampled, logprobs), self.cache = self.decode(engine.values, self.cache, window, steps,
@@ -4738,6 +4770,7 @@ def load(server):
             return
         if store is not None:
             store.remember(prefetch.early, server.warm_up.first_names)
+        server.warm_up.build.drop_tracing()
         log(f"warm-up: {len(engine.batch_buckets)} batch sizes x {len(engine.length_buckets)} windows, "
             f"{server.warm_up.build.counts()}; {METRICS.compilations} XLA compilations in all "
             f"({METRICS.compile_cache_hits} from the compilation cache) in {time.time() - started:.1f}s")

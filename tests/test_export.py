@@ -109,7 +109,8 @@ def test_export_only_needs_a_trained_output(run_train, tmp_path):
 def test_the_adapter_helpers_are_the_same_in_both_scripts():
     for name in ("AdapterError", "lora_layer", "kernel_axes", "lora_kernel_shapes", "keras_factors_to_peft",
                  "read_keras_adapter", "parse_lora_modules", "keras_lora_scale", "keep_tensorflow_out",
-                 "load_causal_lm", "zeros_for_random_initializers", "mapped_safetensors", "MappedSafetensors"):
+                 "load_causal_lm", "zeros_for_random_initializers", "mapped_safetensors", "MappedSafetensors",
+                 "sentence_piece"):
         assert inspect.getsource(getattr(serve, name)) == inspect.getsource(getattr(train_local, name)), name
     assert serve.LORA_MODULES == train_local.LORA_MODULES
 

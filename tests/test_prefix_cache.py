@@ -454,10 +454,10 @@ def test_blocks_whose_write_failed_are_forgotten_and_reused():
 
 # ----------------------------------------------------------------------------- long chunks (no one waits)
 
-def decode_alone(engine, generation, steps=None):
-    """Decodes one generation alone in a batch of 1, every chunk `steps` long (None: as a quiet worker
+def decode_alone(engine, generation, steps=None, batch=1):
+    """Decodes one generation alone in a batch of `batch`, every chunk `steps` long (None: as a quiet worker
     chooses); returns the positions each chunk advanced the row by."""
-    decoding = serve.DecodeBatch(engine, 1)
+    decoding = serve.DecodeBatch(engine, batch)
     decoding.admit(generation)
     advanced = []
     while decoding.active:
@@ -474,14 +474,19 @@ def decode_alone(engine, generation, steps=None):
 @pytest.mark.device
 def test_a_lone_request_in_long_chunks_gets_the_tokens_and_logprobs_of_short_ones(engine, sampling, seed):
     prompt = [engine.bos] + list(range(500, 520))
-    short, long = (serve.Generation(prompt, 37, sampling, seed, [], None, logprobs=3) for _ in range(2))
-    assert decode_alone(engine, short, serve.DECODE_CHUNK) == [serve.DECODE_CHUNK] * 10
+    short, long, chunks = (serve.Generation(prompt, 37, sampling, seed, [], None, logprobs=3) for _ in range(3))
+    # Batch 2's chunks are decode_chunk's; batch 1 makes its own DECODE_CHUNKs with its long decode, stopped
+    # after one chunk.
+    assert engine.programs[2].decode_long is None
+    assert decode_alone(engine, short, serve.DECODE_CHUNK, batch=2) == [serve.DECODE_CHUNK] * 10
+    assert decode_alone(engine, chunks, serve.DECODE_CHUNK) == [serve.DECODE_CHUNK] * 10
     # 37 tokens: two full long chunks, then the last 5 need one more chunk of which 8 steps run.
     assert decode_alone(engine, long) == [serve.LONG_CHUNK, serve.LONG_CHUNK, 2 * serve.DECODE_CHUNK]
-    assert long.ids == short.ids and len(long.ids) == 37 and long.finish_reason == "length"
-    for (t1, lp1, top1), (t2, lp2, top2) in zip(long.token_logprobs, short.token_logprobs):
-        assert t1 == t2 and [i for i, _ in top1] == [i for i, _ in top2]
-        np.testing.assert_allclose([lp1] + [p for _, p in top1], [lp2] + [p for _, p in top2], atol=1e-5)
+    for got in (long, chunks):
+        assert got.ids == short.ids and len(got.ids) == 37 and got.finish_reason == "length"
+        for (t1, lp1, top1), (t2, lp2, top2) in zip(got.token_logprobs, short.token_logprobs):
+            assert t1 == t2 and [i for i, _ in top1] == [i for i, _ in top2]
+            np.testing.assert_allclose([lp1] + [p for _, p in top1], [lp2] + [p for _, p in top2], atol=1e-5)
 
 
 @pytest.mark.device

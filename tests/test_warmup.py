@@ -104,9 +104,13 @@ def test_a_parallel_warm_up_compiles_what_the_serial_one_runs(model):
     # The passes that run each of the smallest batch's programs once compile nothing new: every
     # program was compiled ahead, with the very arguments its caller passes.
     names = {name for name, _, _ in warm_up.compiled}
-    assert {"decode batch 1 window 64 chunk 4", "decode batch 4 window 128 chunk 1", "next tokens batch 2",
+    assert {"decode batch 2 window 64 chunk 4", "decode batch 4 window 128 chunk 1", "next tokens batch 2",
             "resize batch 1 to 2", "resize batch 4 to 2", "prefill 2 prompts block 16",
             "prefill block 16 after a prefix in window 128"} <= names
+    # Where the smallest batch has long decodes, they make its chunks of DECODE_CHUNK tokens too: no program of
+    # its own for those.
+    long = engine.programs[1].decode_long is not None
+    assert ("decode batch 1 window 64 chunk 4" in names) != long and ("decode batch 1 window 64 long" in names) == long
     assert all(name.startswith("warm-up") for name in compiled[:len(warm_up.compiled)])
     assert len([n for n in compiled if not n.startswith("warm-up")]) <= 1  # at most the slot write
     before = len(compiled)
