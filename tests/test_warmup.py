@@ -251,3 +251,33 @@ def check_memory_table(server):
     assert abs(server.metric("serve_process_resident_bytes") / 2**20 - rss) <= 0.1 * rss
     held = next(l for l in server.output().splitlines() if "memory: held for the model" in l)
     assert "weights" in held and "KV cache batch 4" in held and "prefix pool" in held
+
+
+@pytest.mark.device
+def test_the_warm_ups_programs_serve_on_once_its_tracing_is_dropped(model):
+    # Last in this file: it empties JAX's caches for the whole process, as the server does after its warm-up.
+    engine = make_engine(model)
+    warm_up = serve.WarmUp(engine, threads=2)
+    warm_up.run()
+    want = generations(engine)
+    engine.generate(want, 4)
+    compiled = []
+    serve.on_compilation(lambda: compiled.append(threading.current_thread().name))
+    warm_up.build.drop_tracing()
+    # Every compiled program is now held by its Program, as one loaded from the program store is.
+    assert warm_up.build.lowered == {} and warm_up.build.executables == []
+    held = sum(len(p.loaded) for p in [engine._prefill, engine._prefill_group, engine._prefill_after_prefix,
+                                       engine.prefix.store_program, engine.prefix.gather_program]
+               + [p for programs in engine.programs.values()
+                  for p in (programs.new_cache, programs.insert, programs.decode, programs.decode_long,
+                            programs.next_tokens, *programs.resize.values()) if p is not None])
+    assert held == len(warm_up.compiled)
+    got, alone = generations(engine), generations(engine, offset=3)
+    engine.generate(got, 4)
+    engine.generate(alone, 1)
+    run_worker(engine, generations(engine, offset=5), waves=2)  # batches grown and shrunk
+    assert compiled == []  # nothing traced or compiled again
+    assert answers(got) == answers(want)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose([lp for _, lp, _ in g.token_logprobs], [lp for _, lp, _ in w.token_logprobs],
+                                   atol=1e-5)
