@@ -1516,7 +1516,7 @@ def decode_until_done(model, variables, adapters, axes, unroll, values, cache, w
     tokens past its end (stop strings are found on the host, after the dispatch). `limit` is an input, so
     the host can size it to the model's speed without compiling anything (Engine.long_limit); at a `limit`
     of DECODE_CHUNK it makes what decode_chunk does, grammar `masks` on the first token included, so the
-    batch that has it needs no decode_chunk of DECODE_CHUNK tokens (DecodeBatch.step).
+    batch that has it needs no decode_chunk of DECODE_CHUNK tokens (Engine.long_makes_chunks).
     -> ((tokens, log-probabilities) per step, the number of steps made), cache."""
     import jax
     import jax.numpy as jnp
@@ -1786,6 +1786,8 @@ class Engine:
         self._prefill_group = Program(bound(prefill_group, model, self.variables, adapters), out_shardings=rows)
         self.group_sizes = [g for g in PREFILL_GROUPS if g <= batch_buckets[-1]]
         group_block = GROUP_BLOCK_CPU if jax.default_backend() == "cpu" else GROUP_BLOCK
+        # Where host memory is the device's (a CPU), a fresh prompt is prefilled after an empty prefix (fresh_window).
+        self.fresh_after_prefix = jax.default_backend() == "cpu"
         self.group_blocks = [b for b in self.prompt_blocks if b <= group_block]
         # What requests may use: WarmUp narrows these while it compiles and widens them part by part.
         # `chunked`: the smallest batch's multi-token decodes exist (until then it decodes a token a step).
@@ -1836,6 +1838,14 @@ class Engine:
             # Copies of chosen rows into a batch of the next smaller or larger size, in that size's layout.
             {size: Program(resize_cache, out_shardings=self.cache_layout(size)[1])
              for size in self.batch_buckets[max(at - 1, 0):at] + self.batch_buckets[at + 1:at + 2]})
+
+    def long_makes_chunks(self, batch):
+        """Whether a batch size's chunks of DECODE_CHUNK tokens are made by its long decode, stopped after one
+        chunk (DecodeBatch.step), and need no program of their own: where it has one and chunks are not
+        dispatched ahead (a CPU), which reads the last token of decode_chunk's output on the device. One
+        unrolled program fewer to compile and hold (Gemma 3 270M int8 on a CPU: 73,000 HLO instructions,
+        about 170 MiB)."""
+        return self.programs[batch].decode_long is not None and not self.dispatch_ahead
 
     def open_masks(self, batch):
         """Grammar masks that allow every token, put on the device once per batch size: what a chunk
@@ -1909,11 +1919,23 @@ class Engine:
         all of it computed."""
         ids, tables, slot = generation.prompt_ids, self.lora_tables, np.int32(generation.slot)
         suffix = self.block_for(len(ids) - start)
-        if not start:
+        window = self.window_for(start + suffix) if start else self.fresh_window(suffix)
+        if window is None:
             return self._prefill(self.values, self.tokens([ids], suffix), tables, slot)
-        row = self.prefix.gather(reused, self.window_for(start + suffix))
+        row = self.prefix.gather(reused, window)
         return self._prefill_after_prefix(self.values, row, self.tokens([ids[start:]], suffix), np.int32(start),
                                           tables, slot)
+
+    def fresh_window(self, block):
+        """The window in which a prompt of `block` tokens with no cached prefix is prefilled after an empty
+        one (prefill_after_prefix at 0, from the pool's scratch blocks), or None: by its own prefill. On a
+        CPU, once the prefix cache is ready, wherever that program exists (a window with a block to spare):
+        the server then drops those blocks' own prefills (WarmUp.drop_tracing), each the model's graph once
+        (Gemma 3 270M int8: 14,500 HLO instructions, about 45 MiB), for attention over the window instead
+        of the block (a few % more of a prefill's work)."""
+        if self.prefix is None or not self.fresh_after_prefix or block + self.prefix.block_tokens > self.max_length:
+            return None
+        return self.window_for(block + self.prefix.block_tokens)
 
     def store_prefix(self, generation, keys, start, row):
         if self.prefix is not None:
@@ -2153,7 +2175,7 @@ class WarmUp:
         """A batch size's multi-token decodes: DECODE_CHUNK tokens (and on a CPU, in the smallest batch, up
         to LONGEST_CHUNK) a dispatch, over each window, and with dispatch-ahead the next chunk's input tokens."""
         engine, programs = self.engine, self.engine.programs[batch]
-        calls = [] if programs.decode_long is not None else [  # it makes the DECODE_CHUNKs (DecodeBatch.step)
+        calls = [] if engine.long_makes_chunks(batch) else [
             (f"decode batch {batch} window {window} chunk {DECODE_CHUNK}", programs.decode,
              self.decode_args(batch, window, DECODE_CHUNK)) for window in engine.length_buckets]
         if programs.decode_long is not None:
@@ -2226,6 +2248,15 @@ class WarmUp:
             for _ in range(2):  # the second chunk is dispatched ahead of reading the first: next_tokens
                 decoding.step(engine.length_buckets[0], DECODE_CHUNK)
             decoding.settle()
+
+    def drop_tracing(self):
+        """Builder.drop_tracing, and with it the lone prompts' prefills the Engine runs no more now that its
+        prefix cache is ready (Engine.fresh_window)."""
+        engine = self.engine
+        unused = [self.prefills[block].args for block in engine.prompt_blocks if engine.fresh_window(block)]
+        self.build.drop_tracing()
+        for args in unused:
+            engine._prefill.loaded.pop(signature(args), None)
 
     def adapter_calls(self):
         """The slot update adapters are loaded with."""
@@ -2749,9 +2780,7 @@ class DecodeBatch:
         if self.pending is not None and self.stale.any():  # rows that carry on: from the pending chunk's tokens
             tokens = self.next_tokens(self.pending[0], engine.feed(self.stale), tokens)
         inputs = tokens, engine.feed(self.positions)
-        # The batch with long decodes makes its DECODE_CHUNK tokens with that program too, stopped after one
-        # chunk: one unrolled program fewer to compile and hold (Gemma 3 270M int8 on a CPU: about 170 MiB).
-        looped = steps == LONG_CHUNK or (steps == DECODE_CHUNK and self.decode_long is not None)
+        looped = steps == LONG_CHUNK or (steps == DECODE_CHUNK and engine.long_makes_chunks(self.size))
         # A grammar row's tokens are checked, and its next mask made, before the next chunk is dispatched.
         start, read_now = self.positions.copy(), looped or steps != DECODE_CHUNK or masked or not engine.dispatch_ahead
         if looped:
@@ -4770,7 +4799,7 @@ def load(server):
             return
         if store is not None:
             store.remember(prefetch.early, server.warm_up.first_names)
-        server.warm_up.build.drop_tracing()
+        server.warm_up.drop_tracing()
         log(f"warm-up: {len(engine.batch_buckets)} batch sizes x {len(engine.length_buckets)} windows, "
             f"{server.warm_up.build.counts()}; {METRICS.compilations} XLA compilations in all "
             f"({METRICS.compile_cache_hits} from the compilation cache) in {time.time() - started:.1f}s")

@@ -107,10 +107,13 @@ def test_a_parallel_warm_up_compiles_what_the_serial_one_runs(model):
     assert {"decode batch 2 window 64 chunk 4", "decode batch 4 window 128 chunk 1", "next tokens batch 2",
             "resize batch 1 to 2", "resize batch 4 to 2", "prefill 2 prompts block 16",
             "prefill block 16 after a prefix in window 128"} <= names
-    # Where the smallest batch has long decodes, they make its chunks of DECODE_CHUNK tokens too: no program of
-    # its own for those.
-    long = engine.programs[1].decode_long is not None
-    assert ("decode batch 1 window 64 chunk 4" in names) != long and ("decode batch 1 window 64 long" in names) == long
+    # Where the smallest batch has long decodes and chunks are not dispatched ahead, the long decode makes its
+    # chunks of DECODE_CHUNK tokens too: no program of its own for those.
+    assert ("decode batch 1 window 64 chunk 4" in names) != engine.long_makes_chunks(1)
+    assert ("decode batch 1 window 64 long" in names) == (engine.programs[1].decode_long is not None)
+    chunks_by_long = serve.Engine(model, [1, 2], [64], None, dispatch_ahead=False)
+    assert chunks_by_long.long_makes_chunks(1) == (chunks_by_long.programs[1].decode_long is not None)
+    assert not chunks_by_long.long_makes_chunks(2) and not engine.long_makes_chunks(1)  # engine dispatches ahead
     assert all(name.startswith("warm-up") for name in compiled[:len(warm_up.compiled)])
     assert len([n for n in compiled if not n.startswith("warm-up")]) <= 1  # at most the slot write
     before = len(compiled)
@@ -263,15 +266,18 @@ def test_the_warm_ups_programs_serve_on_once_its_tracing_is_dropped(model):
     engine.generate(want, 4)
     compiled = []
     serve.on_compilation(lambda: compiled.append(threading.current_thread().name))
-    warm_up.build.drop_tracing()
-    # Every compiled program is now held by its Program, as one loaded from the program store is.
+    warm_up.drop_tracing()
+    # Every compiled program is now held by its Program, as one loaded from the program store is, but the lone
+    # prompts' prefills that a prompt without a cached prefix no longer takes (on a CPU: 16, 32, 64).
     assert warm_up.build.lowered == {} and warm_up.build.executables == []
+    dropped = [block for block in engine.prompt_blocks if engine.fresh_window(block)]
+    assert dropped == ([16, 32, 64] if engine.fresh_after_prefix else [])
     held = sum(len(p.loaded) for p in [engine._prefill, engine._prefill_group, engine._prefill_after_prefix,
                                        engine.prefix.store_program, engine.prefix.gather_program]
                + [p for programs in engine.programs.values()
                   for p in (programs.new_cache, programs.insert, programs.decode, programs.decode_long,
                             programs.next_tokens, *programs.resize.values()) if p is not None])
-    assert held == len(warm_up.compiled)
+    assert held == len(warm_up.compiled) - len(dropped)
     got, alone = generations(engine), generations(engine, offset=3)
     engine.generate(got, 4)
     engine.generate(alone, 1)
