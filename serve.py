@@ -1786,8 +1786,6 @@ class Engine:
         self._prefill_group = Program(bound(prefill_group, model, self.variables, adapters), out_shardings=rows)
         self.group_sizes = [g for g in PREFILL_GROUPS if g <= batch_buckets[-1]]
         group_block = GROUP_BLOCK_CPU if jax.default_backend() == "cpu" else GROUP_BLOCK
-        # Where host memory is the device's (a CPU), a fresh prompt is prefilled after an empty prefix (fresh_window).
-        self.fresh_after_prefix = jax.default_backend() == "cpu"
         self.group_blocks = [b for b in self.prompt_blocks if b <= group_block]
         # What requests may use: WarmUp narrows these while it compiles and widens them part by part.
         # `chunked`: the smallest batch's multi-token decodes exist (until then it decodes a token a step).
@@ -1919,23 +1917,11 @@ class Engine:
         all of it computed."""
         ids, tables, slot = generation.prompt_ids, self.lora_tables, np.int32(generation.slot)
         suffix = self.block_for(len(ids) - start)
-        window = self.window_for(start + suffix) if start else self.fresh_window(suffix)
-        if window is None:
+        if not start:
             return self._prefill(self.values, self.tokens([ids], suffix), tables, slot)
-        row = self.prefix.gather(reused, window)
+        row = self.prefix.gather(reused, self.window_for(start + suffix))
         return self._prefill_after_prefix(self.values, row, self.tokens([ids[start:]], suffix), np.int32(start),
                                           tables, slot)
-
-    def fresh_window(self, block):
-        """The window in which a prompt of `block` tokens with no cached prefix is prefilled after an empty
-        one (prefill_after_prefix at 0, from the pool's scratch blocks), or None: by its own prefill. On a
-        CPU, once the prefix cache is ready, wherever that program exists (a window with a block to spare):
-        the server then drops those blocks' own prefills (WarmUp.drop_tracing), each the model's graph once
-        (Gemma 3 270M int8: 14,500 HLO instructions, about 45 MiB), for attention over the window instead
-        of the block (a few % more of a prefill's work)."""
-        if self.prefix is None or not self.fresh_after_prefix or block + self.prefix.block_tokens > self.max_length:
-            return None
-        return self.window_for(block + self.prefix.block_tokens)
 
     def store_prefix(self, generation, keys, start, row):
         if self.prefix is not None:
@@ -2248,15 +2234,6 @@ class WarmUp:
             for _ in range(2):  # the second chunk is dispatched ahead of reading the first: next_tokens
                 decoding.step(engine.length_buckets[0], DECODE_CHUNK)
             decoding.settle()
-
-    def drop_tracing(self):
-        """Builder.drop_tracing, and with it the lone prompts' prefills the Engine runs no more now that its
-        prefix cache is ready (Engine.fresh_window)."""
-        engine = self.engine
-        unused = [self.prefills[block].args for block in engine.prompt_blocks if engine.fresh_window(block)]
-        self.build.drop_tracing()
-        for args in unused:
-            engine._prefill.loaded.pop(signature(args), None)
 
     def adapter_calls(self):
         """The slot update adapters are loaded with."""
@@ -4799,7 +4776,7 @@ def load(server):
             return
         if store is not None:
             store.remember(prefetch.early, server.warm_up.first_names)
-        server.warm_up.drop_tracing()
+        server.warm_up.build.drop_tracing()
         log(f"warm-up: {len(engine.batch_buckets)} batch sizes x {len(engine.length_buckets)} windows, "
             f"{server.warm_up.build.counts()}; {METRICS.compilations} XLA compilations in all "
             f"({METRICS.compile_cache_hits} from the compilation cache) in {time.time() - started:.1f}s")

@@ -232,33 +232,6 @@ def engine(trained_model):
     return engine
 
 
-
-@pytest.mark.device
-def test_a_prompt_with_no_cached_prefix_is_prefilled_after_an_empty_one_where_that_program_exists(engine):
-    own = engine.fresh_after_prefix  # a CPU's choice (its programs cost host memory); checked on any backend
-    engine.fresh_after_prefix = True
-    try:
-        # Windows 64 and 128, blocks of 16: a block is prefilled in the smallest window with a block to spare.
-        assert [engine.fresh_window(b) for b in engine.prompt_blocks] == [64, 64, 128, None]
-        # 12 tokens (block 16): no full block, so the pool the other tests count is left as it was.
-        prompt = [engine.bos] + list(range(900, 911))
-        row = serve.Generation(prompt, 1, serve.SAMPLER_DEFAULTS["greedy"], 0, [], None)
-        used = engine.prefix.used()
-        fresh, start = engine.prefill_row(row)
-        plain = engine._prefill(engine.values, engine.tokens([prompt], 16), engine.lora_tables, np.int32(0))
-        import jax
-        assert start == 0 and serve.cache_length(fresh, engine.axes) == 64 and engine.prefix.used() == used
-        for f, p, axis in zip(jax.tree.leaves(fresh), jax.tree.leaves(plain), jax.tree.leaves(engine.axes)):
-            np.testing.assert_allclose(np.take(f, range(12), axis), np.take(p, range(12), axis), atol=1e-5)
-        serve.release_all([row])
-    finally:
-        engine.fresh_after_prefix = own
-    engine.fresh_after_prefix = False
-    try:
-        assert all(engine.fresh_window(b) is None for b in engine.prompt_blocks)
-    finally:
-        engine.fresh_after_prefix = own
-
 def greedy_rows(engine, prompts, max_tokens=8):
     rows = [serve.Generation(p, max_tokens, serve.SAMPLER_DEFAULTS["greedy"], 0, [], None, logprobs=0)
             for p in prompts]

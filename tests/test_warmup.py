@@ -266,18 +266,15 @@ def test_the_warm_ups_programs_serve_on_once_its_tracing_is_dropped(model):
     engine.generate(want, 4)
     compiled = []
     serve.on_compilation(lambda: compiled.append(threading.current_thread().name))
-    warm_up.drop_tracing()
-    # Every compiled program is now held by its Program, as one loaded from the program store is, but the lone
-    # prompts' prefills that a prompt without a cached prefix no longer takes (on a CPU: 16, 32, 64).
+    warm_up.build.drop_tracing()
+    # Every compiled program is now held by its Program, as one loaded from the program store is.
     assert warm_up.build.lowered == {} and warm_up.build.executables == []
-    dropped = [block for block in engine.prompt_blocks if engine.fresh_window(block)]
-    assert dropped == ([16, 32, 64] if engine.fresh_after_prefix else [])
     held = sum(len(p.loaded) for p in [engine._prefill, engine._prefill_group, engine._prefill_after_prefix,
                                        engine.prefix.store_program, engine.prefix.gather_program]
                + [p for programs in engine.programs.values()
                   for p in (programs.new_cache, programs.insert, programs.decode, programs.decode_long,
                             programs.next_tokens, *programs.resize.values()) if p is not None])
-    assert held == len(warm_up.compiled) - len(dropped)
+    assert held == len(warm_up.compiled)
     got, alone = generations(engine), generations(engine, offset=3)
     engine.generate(got, 4)
     engine.generate(alone, 1)
