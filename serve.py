@@ -426,10 +426,10 @@ def sentence_piece(tokenizer):
     proto = getattr(tokenizer, "proto", None)
     if proto is None:
         return None
-    own = getattr(tokenizer, "_sentence_piece_spm", None)
-    if own is not None and hasattr(own, "encode") and hasattr(own, "decode"):
-        return own
     import sentencepiece
+    own = getattr(tokenizer, "_sentence_piece_spm", None)
+    if isinstance(own, sentencepiece.SentencePieceProcessor):
+        return own
     if isinstance(proto, (str, os.PathLike)):
         proto = Path(proto).read_bytes()
     return sentencepiece.SentencePieceProcessor(model_proto=proto)
@@ -1792,9 +1792,9 @@ class Engine:
         self.ready_batches, self.grouping, self.chunked = list(batch_buckets), bool(self.group_sizes), True
         # A lone request decodes in the smallest batch, where the per-dispatch cost weighs most: on a CPU that
         # batch size gets decode_until_done's long chunks, which make its DECODE_CHUNKs too (one program per
-        # window for both). Off a CPU, dispatching ahead already hides that cost: gemma_2b on a TPU v5e decoded
-        # 140 tok/s with them and 143 without at batch 1 (998 and 1,016 at batch 8), and they cost 17-18 s of its
-        # warm-up.
+        # window for both: Engine.long_makes_chunks). Off a CPU, dispatching ahead already hides that cost:
+        # gemma_2b on a TPU v5e decoded 140 tok/s with them and 143 without at batch 1 (998 and 1,016 at batch 8),
+        # and they cost 17-18 s of its warm-up.
         long = jax.default_backend() == "cpu"
         self.programs = {batch: self.batch_programs(batch, long=long and batch == batch_buckets[0])
                          for batch in batch_buckets}

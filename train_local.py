@@ -510,10 +510,10 @@ def sentence_piece(tokenizer):
     proto = getattr(tokenizer, "proto", None)
     if proto is None:
         return None
-    own = getattr(tokenizer, "_sentence_piece_spm", None)
-    if own is not None and hasattr(own, "encode") and hasattr(own, "decode"):
-        return own
     import sentencepiece
+    own = getattr(tokenizer, "_sentence_piece_spm", None)
+    if isinstance(own, sentencepiece.SentencePieceProcessor):
+        return own
     if isinstance(proto, (str, os.PathLike)):
         proto = Path(proto).read_bytes()
     return sentencepiece.SentencePieceProcessor(model_proto=proto)
