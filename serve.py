@@ -20,6 +20,7 @@ request the moment it frees, and stops at its own stop token or max_tokens.
 import argparse
 import array
 import collections
+import collections.abc
 import contextlib
 import errno
 import functools
@@ -80,11 +81,12 @@ UNROLL_FROM_BYTES = 64 << 20  # weights from which a decode chunk is unrolled (s
 UNROLL_FROM_BATCH_OFF_CPU = 2  # ...and, off a CPU, the batch size from which it is (see Engine)
 # Prompts of up to GROUP_BLOCK tokens that are admitted together are prefilled in groups of these sizes
 # (see prefill_group); a batch smaller than a size never uses it. On a CPU, whose prefills are compute-bound
-# from fewer tokens, only up to GROUP_BLOCK_CPU: Gemma 3 270M on 2 cores, grouped against one by one, gained
-# 1.1-3.6x in blocks of 16-64 tokens but 0.80-1.09x (int8) and 1.01-1.39x (float32) in blocks of 128, where
-# each group size's program costs its compiling and some 36 MiB of RSS (BENCHMARKS.md, issue #35).
+# from fewer tokens, each size only up to its GROUP_BLOCKS_CPU, where it paid for its program (its compiling
+# and 30-45 MiB of RSS: BENCHMARKS.md, issue #35). Gemma 3 270M on 2 cores, grouped against one by one:
+# 1.1-3.6x in blocks of 16-64 tokens but 0.80-1.09x (int8) and 1.01-1.39x (float32) in blocks of 128; a
+# pair 1.88x (int8) and 1.43x (float32) in blocks of 16, 1.12-1.27x in 32 and 64 (5-34 ms once).
 PREFILL_GROUPS = (2, 4, 8)
-GROUP_BLOCK, GROUP_BLOCK_CPU = 128, 64
+GROUP_BLOCK, GROUP_BLOCKS_CPU = 128, {2: 16, 4: 64, 8: 64}
 SAMPLER_DEFAULTS = {  # keras-hub's samplers' defaults: the article's "top_k" is TopKSampler(k=5)
     "greedy": {"temperature": 0.0, "top_k": CANDIDATES, "top_p": 1.0},
     "top_k": {"temperature": 1.0, "top_k": 5, "top_p": 1.0},
@@ -389,13 +391,17 @@ def on_compilation(callback):
         lambda event, *_, **__: callback() if event == "/jax/core/compile/backend_compile_duration" else None)
 
 
-def keep_tensorflow_out():
+def keep_unused_imports_out():
     """keras-hub imports TensorFlow whenever it is installed, and this script never runs it: the model loads
     without its task's preprocessor and text goes through SentencePiece. Kept out, it costs no memory (about
-    800 MiB of RSS, see BENCHMARKS.md) and cannot take the GPU's memory from JAX. A None in sys.modules makes
-    `import tensorflow` fail, which keras-hub takes as "not installed"."""
-    if "tensorflow" not in sys.modules:
-        sys.modules["tensorflow"] = None
+    800 MiB of RSS, see BENCHMARKS.md) and cannot take the GPU's memory from JAX. keras imports IPython (and
+    with it jedi and prompt_toolkit: 450 modules, 20 MiB) only to tell whether it runs in a notebook, which
+    a script started from the command line never does. A None in sys.modules makes such an import fail,
+    which keras and keras-hub take as "not installed"; a module already imported (a notebook's IPython)
+    stays."""
+    for name in ("tensorflow", "IPython"):
+        if name not in sys.modules:
+            sys.modules[name] = None
 
 
 def start_backend():
@@ -433,6 +439,68 @@ def sentence_piece(tokenizer):
     if isinstance(proto, (str, os.PathLike)):
         proto = Path(proto).read_bytes()
     return sentencepiece.SentencePieceProcessor(model_proto=proto)
+
+
+class SentencePieces(collections.abc.Sequence):
+    """A SentencePiece vocabulary read from its processor as asked: piece by id, `in`, len. keras-hub's
+    tokenizer keeps the whole vocabulary twice more, as a list of strings and a dict back to ids (Gemma 3's
+    262,144 pieces: 37 MiB of RSS), for what the processor answers itself."""
+
+    def __init__(self, processor):
+        self.processor = processor
+
+    def __len__(self):
+        return self.processor.get_piece_size()
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        return self.processor.id_to_piece(i % len(self))
+
+    def __contains__(self, piece):
+        return self.id(piece) is not None
+
+    def id(self, piece):
+        """The piece's id, or None: SentencePiece answers an unknown piece with the unknown token's id."""
+        if not isinstance(piece, str):
+            return None
+        i = self.processor.piece_to_id(piece)
+        return i if self.processor.id_to_piece(i) == piece else None
+
+
+class SentencePieceIds(collections.abc.Mapping):
+    """The piece -> id dict keras-hub's tokenizer keeps, answered by the processor (see SentencePieces)."""
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    def __getitem__(self, piece):
+        i = self.pieces.id(piece)
+        if i is None:
+            raise KeyError(piece)
+        return i
+
+    def __iter__(self):
+        return iter(self.pieces)
+
+    def __len__(self):
+        return len(self.pieces)
+
+
+def pieces_of(tokenizer):
+    """A tokenizer's pieces by id, with `in`: a SentencePieces view of keras-hub's SentencePiece tokenizers,
+    whose own list and dict it then replaces (keras-hub reads them through the same operations), so the
+    vocabulary is held once, in the processor; any other tokenizer's get_vocabulary()."""
+    processor = sentence_piece(tokenizer)
+    if processor is None or not hasattr(tokenizer, "_token_to_id_map"):
+        return tokenizer.get_vocabulary()
+    pieces = getattr(tokenizer, "_vocabulary", None)
+    if not isinstance(pieces, SentencePieces):
+        pieces = SentencePieces(processor)
+        tokenizer._vocabulary, tokenizer._token_to_id_map = pieces, SentencePieceIds(pieces)
+    return pieces
 
 
 def check_model_exists(preset):
@@ -1752,7 +1820,7 @@ class Engine:
         tokenizer = tokenizer or model.preprocessor.tokenizer
         self.encode, self.decode = make_text_codec(tokenizer)
         self.vocabulary_size = model.backbone.vocabulary_size
-        self.pieces = tokenizer.get_vocabulary()
+        self.pieces = pieces_of(tokenizer)
         if self.vocabulary_size > len(self.pieces):
             # Embedding rows past the tokenizer's pieces (a vocabulary padded to a round size) have no text:
             # they read as empty, as the grammar's token table already has them.
@@ -1760,7 +1828,7 @@ class Engine:
             self.decode = lambda ids: decode([i for i in ids if i < known])
         self.bos, self.pad = tokenizer.start_token_id, tokenizer.pad_token_id or 0
         self.stop_ids = {tokenizer.end_token_id}
-        if "<end_of_turn>" in tokenizer.get_vocabulary():
+        if "<end_of_turn>" in self.pieces:
             self.stop_ids.add(tokenizer.token_to_id("<end_of_turn>"))
         self.variables = model.variables
         self.values = [v.value for v in self.variables]
@@ -1785,8 +1853,9 @@ class Engine:
                                              out_shardings=rows)
         self._prefill_group = Program(bound(prefill_group, model, self.variables, adapters), out_shardings=rows)
         self.group_sizes = [g for g in PREFILL_GROUPS if g <= batch_buckets[-1]]
-        group_block = GROUP_BLOCK_CPU if jax.default_backend() == "cpu" else GROUP_BLOCK
-        self.group_blocks = [b for b in self.prompt_blocks if b <= group_block]
+        # The largest block each group size is formed in (group_blocks).
+        self.group_limits = (dict(GROUP_BLOCKS_CPU) if jax.default_backend() == "cpu"
+                             else dict.fromkeys(PREFILL_GROUPS, GROUP_BLOCK))
         # What requests may use: WarmUp narrows these while it compiles and widens them part by part.
         # `chunked`: the smallest batch's multi-token decodes exist (until then it decodes a token a step).
         self.ready_batches, self.grouping, self.chunked = list(batch_buckets), bool(self.group_sizes), True
@@ -1938,11 +2007,19 @@ class Engine:
         self.store_prefix(generation, keys, start, row)
         return row, start
 
+    def group_sizes_for(self, block):
+        return [size for size in self.group_sizes if block <= self.group_limits.get(size, 0)]
+
+    @property
+    def group_blocks(self):
+        """Each prompt block that has groups, and their sizes."""
+        return {block: sizes for block in self.prompt_blocks if (sizes := self.group_sizes_for(block))}
+
     def prefill_rows(self, generations):
         """prefill_row for each of `generations`, which arrived together. Prompts that reuse no cached
-        prefix and fit one of group_blocks (up to GROUP_BLOCK tokens; on a CPU GROUP_BLOCK_CPU) are
-        prefilled in groups of one block length (prefill_group), the largest of group_sizes that fits
-        first. A prompt that shares its first block with an earlier one of these waits until that one is
+        prefix and fit one of group_blocks (up to GROUP_BLOCK tokens; on a CPU GROUP_BLOCKS_CPU) are
+        prefilled in groups of one block length (prefill_group), the largest of the block's group sizes that
+        fits first. A prompt that shares its first block with an earlier one of these waits until that one is
         in the pool, and reuses it."""
         done, groups, after, firsts = {}, collections.defaultdict(list), [], set()
         twins, copies = {}, []  # the n answers to one prompt: one prefill, its row copied into each
@@ -1966,7 +2043,7 @@ class Engine:
             done[id(generation)] = row, start
         for block, waiting in groups.items():
             while waiting:
-                size = max((s for s in self.group_sizes if s <= len(waiting)), default=1)
+                size = max((s for s in self.group_sizes_for(block) if s <= len(waiting)), default=1)
                 group, waiting = waiting[:size], waiting[size:]
                 if size == 1:
                     rows = [self.compute_row(group[0][0], [], 0)]
@@ -2028,7 +2105,7 @@ class WarmUp:
     each window (a chunk of DECODE_CHUNK tokens, a single token and, in the smallest batch, up to
     LONG_CHUNK tokens; the first two under grammar masks), an insert for each prompt block and the
     copies that grow and shrink a batch to its neighbouring sizes; per prompt block, a prefill, and per
-    block of group_blocks, one per group size; with a prefix cache, per window a gather and a prefill
+    block of group_blocks, one per group size it has; with a prefix cache, per window a gather and a prefill
     after each prefix length that fits, per block a pool write; with adapters, the slot update.
 
     first() compiles what the smallest batch needs to answer, a token a step (its one-token decodes,
@@ -2118,8 +2195,10 @@ class WarmUp:
             return (f"prefix cache of {self.prefix.blocks} blocks of {self.prefix.block_tokens} tokens "
                     f"({self.prefix.pool_bytes / 2**20:,.1f} MiB)")
         if part == "grouped prefills":
-            return (f"prefills of {','.join(map(str, engine.group_sizes))} prompts at once in blocks "
-                    f"{','.join(map(str, engine.group_blocks))}")
+            blocks = engine.group_blocks
+            return "prefills of " + "; ".join(
+                f"{size} prompts at once in blocks {','.join(str(b) for b in blocks if size in blocks[b])}"
+                for size in engine.group_sizes if any(size in sizes for sizes in blocks.values()))
         if part.startswith("chunks"):
             smallest = engine.batch_buckets[0]
             return (f"batch {smallest}'s decodes of {DECODE_CHUNK}"
@@ -2199,7 +2278,7 @@ class WarmUp:
         return [(f"prefill {size} prompts block {block}", engine._prefill_group,
                  (engine.values, engine.tokens([[engine.bos]] * size, block), engine.lora_tables,
                   engine.feed(np.zeros(size, np.int32), replicated=True)))
-                for block in engine.group_blocks for size in engine.group_sizes]
+                for block, sizes in engine.group_blocks.items() for size in sizes]
 
     def prefix_calls(self):
         engine, prefix, calls, int32 = self.engine, self.prefix, [], np.int32
@@ -2505,7 +2584,7 @@ def program_fingerprint(engine):
             "variables": [(v.path, tuple(v.shape), str(v.dtype)) for v in engine.variables],
             "adapters": [(k, [(t.shape, str(t.dtype)) for t in v]) for k, v in sorted(tables.items())],
             "engine": [engine.batch_buckets, engine.length_buckets, engine.prompt_blocks, engine.group_sizes,
-                       engine.group_blocks, sorted(engine.unrolled), engine.dispatch_ahead, sorted(engine.stop_ids),
+                       sorted(engine.group_blocks.items()), sorted(engine.unrolled), engine.dispatch_ahead, sorted(engine.stop_ids),
                        engine.vocabulary_size, engine.top_logprobs, engine.mask_words,
                        None if engine.prefix is None else (engine.prefix.blocks, engine.prefix.block_tokens)]}
 
@@ -4669,7 +4748,7 @@ def adapter_slots_for(server, model, distribution):
     if not args.adapter and not args.enable_lora:
         return None
     import jax
-    vocabulary = model.preprocessor.tokenizer.get_vocabulary()
+    pieces = pieces_of(model.preprocessor.tokenizer)
     adapters = []
     for name, path in args.adapter.items():
         try:
@@ -4677,7 +4756,7 @@ def adapter_slots_for(server, model, distribution):
                 raise AdapterError(f"{name} is the base model's name: give the adapter another")
             if not shapes:
                 raise AdapterError(f"{type(model.backbone).__name__} is not a Gemma decoder this server can adapt")
-            adapters.append(read_adapter(name, path, model.backbone, shapes, vocabulary))
+            adapters.append(read_adapter(name, path, model.backbone, shapes, pieces))
         except AdapterError as e:
             raise LoadError(f"--adapter {name}={path}: {e}") from None
     modules = args.lora_modules or sorted(set(DEFAULT_LORA_MODULES).union(*(a.modules for a in adapters)))
@@ -4724,7 +4803,7 @@ def load(server):
                 f"the model loads")
         started = time.time()
         model, dtype, server.kernel_shapes = load_model(args, server.memory, alone=True)
-        server.template = read_prompt_template(args.model, model.preprocessor.tokenizer.get_vocabulary())
+        server.template = read_prompt_template(args.model, pieces_of(model.preprocessor.tokenizer))
         METRICS.weight_bytes = sum(v.value.nbytes for v in model.weights)
         METRICS.weights = {"dtype": dtype, "quantize": args.quantize}
         log(f"model: {type(model).__name__} from {args.model} loaded in {time.time() - started:.1f}s: {dtype}"
@@ -4795,7 +4874,7 @@ def load(server):
 
 
 def main(argv=None):
-    keep_tensorflow_out()  # before anything imports keras-hub
+    keep_unused_imports_out()  # before anything imports keras-hub
     sys.modules.setdefault("matplotlib", None)  # Keras imports pyplot when it is installed; nothing here draws
     args = parse_args(argv)
     check_model_exists(args.model)

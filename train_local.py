@@ -630,13 +630,17 @@ def on_cloud_tpu_vm():
     return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
-def keep_tensorflow_out():
+def keep_unused_imports_out():
     """keras-hub imports TensorFlow whenever it is installed, and this script never runs it: the model loads
     without its task's preprocessor and text goes through SentencePiece. Kept out, it costs no memory (about
-    800 MiB of RSS, see BENCHMARKS.md) and cannot take the GPU's memory from JAX. A None in sys.modules makes
-    `import tensorflow` fail, which keras-hub takes as "not installed"."""
-    if "tensorflow" not in sys.modules:
-        sys.modules["tensorflow"] = None
+    800 MiB of RSS, see BENCHMARKS.md) and cannot take the GPU's memory from JAX. keras imports IPython (and
+    with it jedi and prompt_toolkit: 450 modules, 20 MiB) only to tell whether it runs in a notebook, which
+    a script started from the command line never does. A None in sys.modules makes such an import fail,
+    which keras and keras-hub take as "not installed"; a module already imported (a notebook's IPython)
+    stays."""
+    for name in ("tensorflow", "IPython"):
+        if name not in sys.modules:
+            sys.modules[name] = None
 
 
 def setup_distribution(args, preset):
@@ -1460,7 +1464,7 @@ def describe_steps(steps, buckets, accumulation):
 
 
 def main(argv=None):
-    keep_tensorflow_out()  # before anything imports keras-hub
+    keep_unused_imports_out()  # before anything imports keras-hub
     args = parse_args(argv)
     started = time.time()
     setup_runtime(args)

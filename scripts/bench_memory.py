@@ -85,7 +85,7 @@ def serve_worker(model_dir, setting):
     sys.path.insert(0, str(REPO))
     import numpy as np
     import serve
-    serve.keep_tensorflow_out()
+    serve.keep_unused_imports_out()
     model, _, _ = serve.load_model(serve.parse_args(["--model", model_dir, *flags_for(setting)]))
     weights = sum(w.value.nbytes for w in model.weights)
     engine = serve.Engine(model, [1, 8], [128], None)

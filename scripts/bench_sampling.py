@@ -87,7 +87,7 @@ def main():
     from bench_generate import workload
     flags = serve.parse_args(["--model", args.model, "--max-batch-size", str(args.batch), "--length-buckets", "256",
                               *args.flags.split()])
-    serve.keep_tensorflow_out()
+    serve.keep_unused_imports_out()
     model, dtype, _ = serve.load_model(flags)
     engine = serve.Engine(model, serve.batch_buckets(args.batch, 1), flags.length_buckets, None)
     started = time.time()

@@ -29,7 +29,7 @@ def main():
     p.add_argument("--compile-cache", default="", help="XLA's compilation cache, as serve.py's (default: none)")
     a = p.parse_args()
     import serve
-    serve.keep_tensorflow_out()
+    serve.keep_unused_imports_out()
     import jax
     print(f"imports of serve.py and jax: {time.time() - started:.1f}s")
     t = time.time()

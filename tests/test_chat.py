@@ -62,6 +62,25 @@ def test_template_without_a_record_follows_the_tokenizer(tmp_path):
     assert serve.read_prompt_template(tmp_path, [])["prompt_with_context"] == GEMMA["prompt_with_context"]
 
 
+def test_the_vocabulary_is_read_from_sentencepiece_and_answers_as_keras_hubs_own(tiny_model):
+    """serve.py drops keras-hub's list and dict of the pieces (37 MiB for Gemma 3) for views of its
+    SentencePiece processor (issue #35): every id, piece and lookup keras-hub and the server make the same."""
+    import keras_hub
+    tokenizer = keras_hub.models.GemmaTokenizer(proto=str(tiny_model / "tokenizer.model"))
+    own, ids = tokenizer.get_vocabulary(), dict(tokenizer._token_to_id_map)
+    pieces = serve.pieces_of(tokenizer)
+    assert isinstance(tokenizer._vocabulary, serve.SentencePieces) and serve.pieces_of(tokenizer) is pieces
+    assert len(pieces) == len(own) > 256 and list(pieces) == own == tokenizer.get_vocabulary()
+    assert pieces[-1] == own[-1] and pieces[3:9] == own[3:9]
+    with pytest.raises(IndexError):
+        pieces[len(own)]
+    for piece in own + ["not a piece", "<start_of_turn>", ""]:
+        assert (piece in pieces) == (piece in ids)
+        assert tokenizer.token_to_id(piece) == ids.get(piece, tokenizer.token_to_id("<unk>"))
+    assert all(tokenizer.id_to_token(i) == own[i] for i in range(len(own)))
+    assert tokenizer.end_token_id == ids["<eos>"] and serve.read_prompt_template(tiny_model / "none", pieces)
+
+
 def test_end_marker_becomes_a_stop_string_only_when_it_is_not_one_token():
     def fake(tokens_per_marker):
         return types.SimpleNamespace(encode=lambda text: [7] * tokens_per_marker)

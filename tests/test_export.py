@@ -108,7 +108,7 @@ def test_export_only_needs_a_trained_output(run_train, tmp_path):
 
 def test_the_adapter_helpers_are_the_same_in_both_scripts():
     for name in ("AdapterError", "lora_layer", "kernel_axes", "lora_kernel_shapes", "keras_factors_to_peft",
-                 "read_keras_adapter", "parse_lora_modules", "keras_lora_scale", "keep_tensorflow_out",
+                 "read_keras_adapter", "parse_lora_modules", "keras_lora_scale", "keep_unused_imports_out",
                  "load_causal_lm", "zeros_for_random_initializers", "mapped_safetensors", "MappedSafetensors",
                  "sentence_piece"):
         assert inspect.getsource(getattr(serve, name)) == inspect.getsource(getattr(train_local, name)), name
@@ -144,7 +144,8 @@ def test_mapped_safetensors_reads_what_safetensors_reads(tmp_path):
 
 def test_train_local_trains_and_exports_without_tensorflow(tiny_model, compile_cache, tmp_path):
     """TensorFlow is installed here, and keras-hub imports it whenever it can: train_local.py keeps it out
-    (about 800 MiB of RSS), through loading, training, saving and both exports. What it saves still loads
+    (about 800 MiB of RSS), and IPython, which keras imports only to spot a notebook, through loading,
+    training, saving and both exports. What it saves still loads
     in keras-hub with the task's own preprocessor, as the article's scripts expect."""
     import importlib.util
     import subprocess
@@ -157,14 +158,14 @@ def test_train_local_trains_and_exports_without_tensorflow(tiny_model, compile_c
     check = ("import sys; sys.path.insert(0, {repo!r}); import train_local; "
              "code = train_local.main({argv!r}); "
              "print('TENSORFLOW', sys.modules.get('tensorflow') is not None, "
-             "'tensorflow' in open('/proc/self/maps').read()); "
+             "'tensorflow' in open('/proc/self/maps').read(), 'IPYTHON', sys.modules.get('IPython') is not None); "
              "sys.exit(code)")
     argv = ["--model", str(tiny_model), "--data", str(SAMPLE_DATA), "--limit", "16", "--eval-examples", "4",
             "--max-steps", "2", "--output", str(out), "--export", "peft,transformers", "--compile-cache", compile_cache]
     result = subprocess.run([sys.executable, "-c", check.format(repo=str(REPO), argv=argv)], capture_output=True,
                             text=True, env=script_env(), timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "TENSORFLOW False False" in result.stdout
+    assert "TENSORFLOW False False IPYTHON False" in result.stdout  # keras' notebook check kept out too
     assert (out / "peft" / "adapter_config.json").is_file() and (out / "transformers" / "config.json").is_file()
     model = keras_hub.models.CausalLM.from_preset(str(out))
     assert type(model.preprocessor) is type(model).preprocessor_cls

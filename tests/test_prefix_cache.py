@@ -227,6 +227,7 @@ def engine(trained_model):
     model, _, _ = serve.load_model(serve.parse_args(["--model", str(trained_model)]))
     engine = serve.Engine(model, [1, 2], [64, 128], None, prefix_blocks=16, block_tokens=16)
     engine.long_chunk_seconds = 0  # long dispatches of LONG_CHUNK tokens, whatever the machine's speed
+    engine.group_limits[2] = 64  # pairs in every block, as on an accelerator (a CPU pairs in blocks of 16 only)
     if engine.programs[1].decode_long is None:  # off a CPU they are not built by default, but still checked
         engine.programs[1] = engine.batch_programs(1, long=True)
     return engine

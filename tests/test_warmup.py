@@ -111,6 +111,12 @@ def test_a_parallel_warm_up_compiles_what_the_serial_one_runs(model):
     # chunks of DECODE_CHUNK tokens too: no program of its own for those.
     assert ("decode batch 1 window 64 chunk 4" in names) != engine.long_makes_chunks(1)
     assert ("decode batch 1 window 64 long" in names) == (engine.programs[1].decode_long is not None)
+    # Groups of prompts in the blocks where each size pays: on a CPU a pair in blocks of 16 only.
+    assert {name for name in names if " prompts block " in name} == {
+        f"prefill {size} prompts block {block}" for block, sizes in engine.group_blocks.items() for size in sizes}
+    import jax
+    if jax.default_backend() == "cpu":
+        assert engine.group_blocks == {16: [2, 4], 32: [4], 64: [4]}
     chunks_by_long = serve.Engine(model, [1, 2], [64], None, dispatch_ahead=False)
     assert chunks_by_long.long_makes_chunks(1) == (chunks_by_long.programs[1].decode_long is not None)
     assert not chunks_by_long.long_makes_chunks(2) and not engine.long_makes_chunks(1)  # engine dispatches ahead
