@@ -2584,8 +2584,8 @@ def program_fingerprint(engine):
             "variables": [(v.path, tuple(v.shape), str(v.dtype)) for v in engine.variables],
             "adapters": [(k, [(t.shape, str(t.dtype)) for t in v]) for k, v in sorted(tables.items())],
             "engine": [engine.batch_buckets, engine.length_buckets, engine.prompt_blocks, engine.group_sizes,
-                       sorted(engine.group_blocks.items()), sorted(engine.unrolled), engine.dispatch_ahead, sorted(engine.stop_ids),
-                       engine.vocabulary_size, engine.top_logprobs, engine.mask_words,
+                       sorted(engine.group_blocks.items()), sorted(engine.unrolled), engine.dispatch_ahead,
+                       sorted(engine.stop_ids), engine.vocabulary_size, engine.top_logprobs, engine.mask_words,
                        None if engine.prefix is None else (engine.prefix.blocks, engine.prefix.block_tokens)]}
 
 
