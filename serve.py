@@ -2195,10 +2195,13 @@ class WarmUp:
             return (f"prefix cache of {self.prefix.blocks} blocks of {self.prefix.block_tokens} tokens "
                     f"({self.prefix.pool_bytes / 2**20:,.1f} MiB)")
         if part == "grouped prefills":
-            blocks = engine.group_blocks
-            return "prefills of " + "; ".join(
-                f"{size} prompts at once in blocks {','.join(str(b) for b in blocks if size in blocks[b])}"
-                for size in engine.group_sizes if any(size in sizes for sizes in blocks.values()))
+            by_blocks = collections.defaultdict(list)  # sizes formed in the same blocks, said once
+            for size in engine.group_sizes:
+                blocks = tuple(b for b, sizes in engine.group_blocks.items() if size in sizes)
+                if blocks:
+                    by_blocks[blocks].append(size)
+            return "prefills of " + "; ".join(f"{','.join(map(str, sizes))} prompts at once in blocks "
+                                              f"{','.join(map(str, blocks))}" for blocks, sizes in by_blocks.items())
         if part.startswith("chunks"):
             smallest = engine.batch_buckets[0]
             return (f"batch {smallest}'s decodes of {DECODE_CHUNK}"
