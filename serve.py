@@ -616,6 +616,8 @@ def load_model(args, memory=None, alone=False):
     # serving never runs again (Gemma 3 270M: 33 MiB of RSS; 76 MiB more after quantizing to int8).
     if alone:
         jax.clear_caches()
+    if getattr(model, "preprocessor", None) is not None:
+        pieces_of(model.preprocessor.tokenizer)  # the vocabulary held once, before the table says what loading took
     release_freed_memory()  # the converter's and loader's copies of the weights
     if memory is not None:
         memory.stage("model loaded")
