@@ -1522,18 +1522,46 @@ def apply_token_mask(logits, masks):
     return jnp.where(allowed, logits, -jnp.inf)
 
 
+# The attention kernels XLA's CPU backend transposes for its dots (query [heads, d, head_dim] and output
+# [heads, head_dim, d]: heads moved second). It decides those layouts after its loop-invariant code motion,
+# which leaves a transpose in the loop as cheap, so a decode loop copied both kernels of every layer on every
+# step (Gemma 3 270M: 22.5 MiB a token in int8, 90 in float32); unrolling the chunks did it once per chunk.
+LOOP_TRANSPOSED = ("attention/query/kernel", "attention/attention_output/kernel")
+
+
+def loop_layouts(variables):
+    """Each variable's transpose for lay_out_for_loops (None: as it is); on a CPU only, where it was measured."""
+    import jax
+    cpu = jax.default_backend() == "cpu"
+    return [(1, 0, 2) if cpu and v.path.endswith(LOOP_TRANSPOSED) and len(v.shape) == 3 and v.shape[0] > 1 else None
+            for v in variables]
+
+
+def lay_out_for_loops(variables, values, back=False):
+    """The values with those kernels transposed as XLA's dots want them, once, before a decode loop; `back`:
+    their own shapes again, inside the loop, which XLA then reads as a layout, not a copy. Rolled, a 4-token
+    chunk then decodes as fast as unrolled in int8, at a third of the instructions (BENCHMARKS.md)."""
+    import jax.numpy as jnp
+    return [v if p is None else jnp.transpose(v, np.argsort(p) if back else p)
+            for v, p in zip(values, loop_layouts(variables))]
+
+
 def decode_steps(model, variables, adapters, unroll, values, view, window, offsets, masks, tokens, positions,
-                 tables, slots, sampling):
+                 tables, slots, sampling, laid_out=False):
     """One token per row for each of `offsets` (positions + offset), over a cache `view` of `window`
-    positions -> (view, last tokens), (tokens, log-probabilities) stacked per step."""
+    positions -> (view, last tokens), (tokens, log-probabilities) stacked per step. `laid_out`: `values`
+    come through lay_out_for_loops already (a loop around this one did it)."""
     import jax
     import jax.numpy as jnp
     constrained = masks is not None and (masks != -1).any()  # a free row's mask allows everything
+    if not laid_out:
+        values = lay_out_for_loops(variables, values)
 
     def step(carry, offset):
         view, tokens = carry
         at = jnp.minimum(positions + offset, window - 1)  # only idle rows get this far
-        logits, view = forward(model, variables, adapters, values, view, tokens, at, tables, slots)
+        logits, view = forward(model, variables, adapters, lay_out_for_loops(variables, values, back=True), view,
+                               tokens, at, tables, slots)
         if len(sampling) > len(SAMPLE_ARRAYS):  # a test may call a step with sample()'s arrays alone
             logits = adjust_logits(logits, at, view[1], *sampling[len(SAMPLE_ARRAYS):])
         if masks is not None:  # last: a grammar's mask holds whatever the penalties and biases did
@@ -1543,11 +1571,12 @@ def decode_steps(model, variables, adapters, unroll, values, view, window, offse
         tokens, logprobs = sample(logits, at, *sampling[:len(SAMPLE_ARRAYS)])
         return (view, tokens), (tokens, logprobs)
     # `unroll`: XLA lays out the weights and the cache for its dots after it has looked for loop-invariant
-    # code, so inside a loop it transposes the query/output kernels and copies each cache leaf on every
-    # step. Unrolled, it does each once per chunk (Gemma 3 270M float32 on 2 CPU cores, 4 tokens at batch
-    # 8: 597 -> 446 ms over a 256 window, 1059 -> 801 ms over 1536; batch 1: 67 -> 50 ms a token), for
-    # twice the compile time: the Engine unrolls from UNROLL_FROM_BYTES of weights, below which the copies
-    # cost less than the compiling.
+    # code, so inside a loop it copies each cache leaf on every step (and transposed the query/output
+    # kernels, until lay_out_for_loops). Unrolled, it does each once per chunk (Gemma 3 270M float32 on 2
+    # CPU cores, 4 tokens at batch 8: 597 -> 446 ms over a 256 window, 1059 -> 801 ms over 1536; batch 1: 67
+    # -> 50 ms a token; with the kernels laid out, batch 2 window 512: 22.9 -> 27.1 tok/s), for four times
+    # the instructions and twice the compile time: the Engine unrolls from UNROLL_FROM_BYTES of float
+    # weights, below which the copies cost less than the compiling.
     return jax.lax.scan(step, (view, tokens), offsets, unroll=unroll)
 
 
@@ -1591,9 +1620,10 @@ def decode_until_done(model, variables, adapters, axes, unroll, values, cache, w
     import jax
     import jax.numpy as jnp
     view = window_view(axes, cache, window)
+    values = lay_out_for_loops(variables, values)
     shapes = jax.eval_shape(lambda: decode_steps(model, variables, adapters, unroll, values, view, window,
                                                  jnp.arange(DECODE_CHUNK), masks, tokens, positions, tables, slots,
-                                                 sampling)[1])
+                                                 sampling, laid_out=True)[1])
     outputs = jax.tree.map(lambda s: jnp.zeros((steps,) + s.shape[1:], s.dtype), shapes)
     alive = remaining > 0
 
@@ -1605,7 +1635,7 @@ def decode_until_done(model, variables, adapters, axes, unroll, values, cache, w
         view, tokens, made, alive, outputs = carry
         (view, tokens), out = decode_steps(model, variables, adapters, unroll, values, view, window,
                                            made + jnp.arange(DECODE_CHUNK), masks, tokens, positions, tables, slots,
-                                           sampling)
+                                           sampling, laid_out=True)
         outputs = jax.tree.map(lambda whole, part: jax.lax.dynamic_update_slice_in_dim(whole, part, made, axis=0),
                                outputs, out)
         stopped = (out[0][:, :, None] == stop_ids[None, None, :]).any(axis=(0, 2))
@@ -1838,12 +1868,17 @@ class Engine:
         self.mask_words = -(-self.vocabulary_size // 32)  # a grammar mask's int32 words per row
         self.open_mask_arrays = {}
         self.axes = cache_position_axes(model)
-        # Unrolled decode chunks (see decode_steps) pay on a CPU, and on a TPU at batch 64 (gemma_2b bfloat16:
-        # 3,975 -> 4,511 tok/s) but not at batch 1, already at its weight-read limit either way (139 -> 140
-        # tok/s), where they cost 24 s more compiling (batch 1's warm-up 43 -> 67 s): BENCHMARKS.md.
-        from_batch = 1 if jax.default_backend() == "cpu" else UNROLL_FROM_BATCH_OFF_CPU
+        # Unrolled decode chunks (see decode_steps) pay on a CPU in float weights, and on a TPU at batch 64
+        # (gemma_2b bfloat16: 3,975 -> 4,511 tok/s) but not at batch 1, already at its weight-read limit either
+        # way (139 -> 140 tok/s), where they cost 24 s more compiling (batch 1's warm-up 43 -> 67 s). Quantized
+        # weights on a CPU, once the loops take their kernels laid out (lay_out_for_loops), decode as fast
+        # rolled or faster (Gemma 3 270M int8, 4-token chunks: batch 2 window 512 36.2 -> 40.8 tok/s, batch 8
+        # window 256 125.2 -> 126.5) for a third of the instructions, some 190 MiB of RSS: BENCHMARKS.md.
+        cpu = jax.default_backend() == "cpu"
+        from_batch = 1 if cpu else UNROLL_FROM_BATCH_OFF_CPU
         large = sum(value.nbytes for value in self.values) >= UNROLL_FROM_BYTES
-        self.unrolled = {batch for batch in batch_buckets if large and batch >= from_batch}
+        quantized = any(np.dtype(value.dtype).itemsize == 1 for value in self.values)  # int8 and packed int4
+        self.unrolled = {batch for batch in batch_buckets if large and batch >= from_batch and not (cpu and quantized)}
         bound = functools.partial
         # On a mesh every program that makes a one-row cache hands it back copied to every device: the
         # programs it goes into (insert, a pool write, a prefill after a prefix) were compiled for one

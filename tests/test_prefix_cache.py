@@ -140,6 +140,11 @@ def test_decode_with_local_layers_attending_their_window_equals_keras_hub_over_t
     (looped, looped_logprobs), (unrolled, unrolled_logprobs) = chunks
     assert np.asarray(looped).tolist() == np.asarray(unrolled).tolist()
     np.testing.assert_allclose(np.asarray(looped_logprobs[0]), np.asarray(unrolled_logprobs[0]), atol=1e-5)
+    # On a CPU the loop read both attention kernels of every layer laid out for XLA's dots (lay_out_for_loops).
+    import collections
+    import jax
+    laid_out = collections.Counter(v.path.split("/")[-2] for v, p in zip(variables, serve.loop_layouts(variables)) if p)
+    assert laid_out == ({"query": 6, "attention_output": 6} if jax.default_backend() == "cpu" else {})
 
 
 @pytest.mark.device
