@@ -77,8 +77,8 @@ DECODE_CHUNK = 4  # tokens decoded per dispatch to the device
 # LONG_CHUNK and at most LONGEST_CHUNK: as many as the last long dispatch says fit in LONG_CHUNK_SECONDS,
 # which is how long a request arriving meanwhile may wait for its row (bench_convoy.py: 0.05 s gave 2.8x).
 LONG_CHUNK, LONGEST_CHUNK, LONG_CHUNK_SECONDS = 16, 64, 0.02
-UNROLL_FROM_BYTES = 64 << 20  # weights from which a decode chunk is unrolled (see decode_chunk)...
-UNROLL_FROM_BATCH_OFF_CPU = 2  # ...and, off a CPU, the batch size from which it is (see Engine)
+UNROLL_FROM_BYTES = 64 << 20  # off a CPU, weights from which a decode chunk is unrolled (see decode_chunk)...
+UNROLL_FROM_BATCH_OFF_CPU = 2  # ...and the batch size from which it is (see Engine)
 # Prompts of up to GROUP_BLOCK tokens that are admitted together are prefilled in groups of these sizes
 # (see prefill_group); a batch smaller than a size never uses it. On a CPU, whose prefills are compute-bound
 # from fewer tokens, each size only up to its GROUP_BLOCKS_CPU, where it paid for its program (its compiling
@@ -1417,14 +1417,14 @@ def local_attention_in_its_window(model):
 
 def forward(model, variables, adapters, values, cache, tokens, positions, tables, slots):
     """One token per row, each at its own position and with its own adapter: keras-hub's cached call,
-    vmapped over rows so the write index, causal mask and LoRA slot are per row."""
+    vmapped over rows so the write index, causal mask and LoRA slot are per row. `cache`: a decode view
+    in by_row form, as it returns it."""
     import jax
 
     def one_row(row_cache, token, position, slot):
         kv, history = row_cache
-        kv = jax.tree.map(lambda c: c[None], kv)
         logits, _, kv = with_adapter(adapters, tables, slot, lambda: cached_call(model, token[None, None], kv, position))
-        return logits[0, 0], (jax.tree.map(lambda c: c[0], kv), history.at[position].set(token))
+        return logits[0, 0], (kv, history.at[position].set(token))
     with local_attention_in_its_window(model):
         return run_stateless(variables, values, lambda: jax.vmap(one_row)(cache, tokens, positions, slots))
 
@@ -1549,7 +1549,7 @@ def lay_out_for_loops(variables, values, back=False):
 def decode_steps(model, variables, adapters, unroll, values, view, window, offsets, masks, tokens, positions,
                  tables, slots, sampling, laid_out=False):
     """One token per row for each of `offsets` (positions + offset), over a cache `view` of `window`
-    positions -> (view, last tokens), (tokens, log-probabilities) stacked per step. `laid_out`: `values`
+    positions (by_row) -> (view, last tokens), (tokens, log-probabilities) stacked per step. `laid_out`: `values`
     come through lay_out_for_loops already (a loop around this one did it)."""
     import jax
     import jax.numpy as jnp
@@ -1571,13 +1571,27 @@ def decode_steps(model, variables, adapters, unroll, values, view, window, offse
         tokens, logprobs = sample(logits, at, *sampling[:len(SAMPLE_ARRAYS)])
         return (view, tokens), (tokens, logprobs)
     # `unroll`: XLA lays out the weights and the cache for its dots after it has looked for loop-invariant
-    # code, so inside a loop it copies each cache leaf on every step (and transposed the query/output
-    # kernels, until lay_out_for_loops). Unrolled, it does each once per chunk (Gemma 3 270M float32 on 2
-    # CPU cores, 4 tokens at batch 8: 597 -> 446 ms over a 256 window, 1059 -> 801 ms over 1536; batch 1: 67
-    # -> 50 ms a token; with the kernels laid out, batch 2 window 512: 22.9 -> 27.1 tok/s), for four times
-    # the instructions and twice the compile time: the Engine unrolls from UNROLL_FROM_BYTES of float
-    # weights, below which the copies cost less than the compiling.
+    # code. In a loop on a CPU it transposed the query/output kernels on every step (until lay_out_for_loops)
+    # and copied each cache leaf twice (until by_row); unrolled, it did each once per chunk, for four times
+    # the instructions and twice the compile time. With both, a CPU decodes as fast in loops (Engine).
     return jax.lax.scan(step, (view, tokens), offsets, unroll=unroll)
+
+
+def by_row(view):
+    """A decode view with each row's cache as keras-hub's call takes it, a batch of one (an axis after the
+    rows), as the decode loops carry it. Reshaped at every step instead, a loop copied each cache leaf twice
+    a token on XLA's CPU backend: the carry and the row's update got layouts that differ in where the axes
+    of one lie, and the update was not made in place (Gemma 3 270M float32, 36 leaves, BENCHMARKS.md)."""
+    import jax
+    kv, history = view
+    return jax.tree.map(lambda c: c[:, None], kv), history
+
+
+def from_rows(view):
+    """by_row undone."""
+    import jax
+    kv, history = view
+    return jax.tree.map(lambda c: c[:, 0], kv), history
 
 
 def window_view(axes, cache, window):
@@ -1599,9 +1613,10 @@ def decode_chunk(model, variables, adapters, axes, unroll, values, cache, window
     masked distribution's; DecodeBatch.settle keeps a later token only when that mask's draw would have
     been the same token (RowGrammars.keeps_free_draw)."""
     import jax.numpy as jnp
-    (view, _), outputs = decode_steps(model, variables, adapters, unroll, values, window_view(axes, cache, window),
-                                      window, jnp.arange(steps), masks, tokens, positions, tables, slots, sampling)
-    return outputs, write_view(axes, cache, view)
+    (view, _), outputs = decode_steps(model, variables, adapters, unroll, values,
+                                      by_row(window_view(axes, cache, window)), window, jnp.arange(steps), masks,
+                                      tokens, positions, tables, slots, sampling)
+    return outputs, write_view(axes, cache, from_rows(view))
 
 
 def decode_until_done(model, variables, adapters, axes, unroll, values, cache, window, steps, masks, tokens, positions,
@@ -1619,7 +1634,7 @@ def decode_until_done(model, variables, adapters, axes, unroll, values, cache, w
     -> ((tokens, log-probabilities) per step, the number of steps made), cache."""
     import jax
     import jax.numpy as jnp
-    view = window_view(axes, cache, window)
+    view = by_row(window_view(axes, cache, window))
     values = lay_out_for_loops(variables, values)
     shapes = jax.eval_shape(lambda: decode_steps(model, variables, adapters, unroll, values, view, window,
                                                  jnp.arange(DECODE_CHUNK), masks, tokens, positions, tables, slots,
@@ -1642,7 +1657,7 @@ def decode_until_done(model, variables, adapters, axes, unroll, values, cache, w
         alive &= ~stopped & (remaining > made + DECODE_CHUNK)
         return view, tokens, made + DECODE_CHUNK, alive, outputs
     view, _, made, _, outputs = jax.lax.while_loop(more, chunk, (view, tokens, jnp.int32(0), alive, outputs))
-    return (outputs, made), write_view(axes, cache, view)
+    return (outputs, made), write_view(axes, cache, from_rows(view))
 
 
 def next_tokens(sampled, stale, tokens):
@@ -1868,17 +1883,16 @@ class Engine:
         self.mask_words = -(-self.vocabulary_size // 32)  # a grammar mask's int32 words per row
         self.open_mask_arrays = {}
         self.axes = cache_position_axes(model)
-        # Unrolled decode chunks (see decode_steps) pay on a CPU in float weights, and on a TPU at batch 64
-        # (gemma_2b bfloat16: 3,975 -> 4,511 tok/s) but not at batch 1, already at its weight-read limit either
-        # way (139 -> 140 tok/s), where they cost 24 s more compiling (batch 1's warm-up 43 -> 67 s). Quantized
-        # weights on a CPU, once the loops take their kernels laid out (lay_out_for_loops), decode as fast
-        # rolled or faster (Gemma 3 270M int8, 4-token chunks: batch 2 window 512 36.2 -> 40.8 tok/s, batch 8
-        # window 256 125.2 -> 126.5) for a third of the instructions, some 190 MiB of RSS: BENCHMARKS.md.
+        # Unrolled decode chunks (see decode_steps) pay on a TPU at batch 64 (gemma_2b bfloat16: 3,975 -> 4,511
+        # tok/s) but not at batch 1, already at its weight-read limit either way (139 -> 140 tok/s), where they
+        # cost 24 s more compiling (batch 1's warm-up 43 -> 67 s). On a CPU the loops decode as fast, once they
+        # take the kernels laid out (lay_out_for_loops) and the cache by_row (Gemma 3 270M, 4-token chunks,
+        # unrolled -> looped: float32 batch 2 window 512 23.8 -> 25.4 tok/s, batch 8 window 256 64.1 -> 66.0;
+        # int8 window 512 36.2 -> 40.8 before by_row), for a third of the instructions: BENCHMARKS.md.
         cpu = jax.default_backend() == "cpu"
-        from_batch = 1 if cpu else UNROLL_FROM_BATCH_OFF_CPU
         large = sum(value.nbytes for value in self.values) >= UNROLL_FROM_BYTES
-        quantized = any(np.dtype(value.dtype).itemsize == 1 for value in self.values)  # int8 and packed int4
-        self.unrolled = {batch for batch in batch_buckets if large and batch >= from_batch and not (cpu and quantized)}
+        self.unrolled = set() if cpu else {batch for batch in batch_buckets
+                                           if large and batch >= UNROLL_FROM_BATCH_OFF_CPU}
         bound = functools.partial
         # On a mesh every program that makes a one-row cache hands it back copied to every device: the
         # programs it goes into (insert, a pool write, a prefill after a prefix) were compiled for one

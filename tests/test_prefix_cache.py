@@ -111,23 +111,31 @@ def decode_row_by_row_against_the_whole_sequence(model, length=16, starts=(3, 6)
     positions = np.array(starts, np.int32)
     for _ in range(14 - max(starts)):
         tokens = ids[[0, 1], positions]
-        logits, cache = serve.forward(model, variables, None, values, cache, tokens, positions, {}, np.zeros(2, np.int32))
+        logits, view = serve.forward(model, variables, None, values, serve.by_row(cache), tokens, positions, {},
+                                     np.zeros(2, np.int32))
+        cache = serve.from_rows(view)
         np.testing.assert_allclose(np.asarray(logits), expected[[0, 1], positions], atol=1e-5)
         positions = positions + 1
     return cache, axes, ids[[0, 1], positions - 1], variables, values
 
 
-@pytest.mark.device
-def test_decode_with_local_layers_attending_their_window_equals_keras_hub_over_the_whole_sequence():
-    """forward() reads only a sliding-window layer's window of the cache; the logits must be keras-hub's
-    own full-sequence call, for rows at different positions in one batch, before and past the window."""
+def tiny_gemma3_with_local_layers():
+    """A random Gemma 3 of 6 layers, the first 5 local (a window of 4) and one KV head, as Gemma 3 270M's."""
     import keras
     import keras_hub
     keras.utils.set_random_seed(0)
     backbone = keras_hub.models.Gemma3Backbone(
         vocabulary_size=64, image_size=16, num_layers=6, num_query_heads=2, num_key_value_heads=1, hidden_dim=16,
         intermediate_dim=32, head_dim=8, use_sliding_window_attention=True, sliding_window_size=4, dtype="float32")
-    model = keras_hub.models.Gemma3CausalLM(backbone=backbone, preprocessor=None)
+    return keras_hub.models.Gemma3CausalLM(backbone=backbone, preprocessor=None)
+
+
+@pytest.mark.device
+def test_decode_with_local_layers_attending_their_window_equals_keras_hub_over_the_whole_sequence():
+    """forward() reads only a sliding-window layer's window of the cache; the logits must be keras-hub's
+    own full-sequence call, for rows at different positions in one batch, before and past the window."""
+    model = tiny_gemma3_with_local_layers()
+    backbone = model.backbone
     assert [layer.attention.use_sliding_window_attention for layer in backbone.transformer_layers] == [True] * 5 + [False]
     length, starts = 16, (3, 6)  # row 0 begins inside the window, row 1 past it
     cache, axes, tokens, variables, values = decode_row_by_row_against_the_whole_sequence(model, length, starts)
@@ -145,6 +153,31 @@ def test_decode_with_local_layers_attending_their_window_equals_keras_hub_over_t
     import jax
     laid_out = collections.Counter(v.path.split("/")[-2] for v, p in zip(variables, serve.loop_layouts(variables)) if p)
     assert laid_out == ({"query": 6, "attention_output": 6} if jax.default_backend() == "cpu" else {})
+
+
+def test_a_decode_loop_on_a_cpu_copies_no_cache_leaf():
+    """The decode loops carry each row's cache as keras-hub's call takes it (by_row). Reshaped at every step
+    instead, XLA's CPU backend copied every cache leaf twice a token in the loop's body (issue #35): no
+    array of a cache leaf's shape may be copied there (before and after the loop, once a chunk, is allowed)."""
+    import functools
+    import re
+    import jax
+    model = tiny_gemma3_with_local_layers()
+    variables = model.variables
+    cache = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), serve.cache_shapes(model, 2, 16))
+    leaf = jax.tree.leaves(cache[0])[0].shape  # (2, 16, 1, 8): rows, positions, heads, dim
+    sampling = (np.zeros(2, np.float32), np.full(2, 64, np.int32), np.ones(2, np.float32), np.zeros(2, np.uint32))
+    chunk = jax.jit(functools.partial(serve.decode_chunk, model, variables, None, serve.cache_position_axes(model),
+                                      False), static_argnums=(2, 3), donate_argnums=(1,))  # as the Engine's
+    text = chunk.lower([v.value for v in variables], cache, 16, 4, None, np.zeros(2, np.int32),
+                       np.array([3, 6], np.int32), {}, np.zeros(2, np.int32), *sampling).compile().as_text()
+    computations = {block.split(" ", 1)[0].lstrip("%"): block for block in re.split(r"\n(?=\S)", text)}
+    bodies = [computations[name] for name in re.findall(r" while\(.*?body=%([\w.\-]+)", text)]
+    assert bodies  # a loop, not unrolled
+    # A copy in the body, or a fusion of one (XLA wraps a lone copy in a computation of its own).
+    copied = [tuple(int(d) for d in dims.split(",") if d != "1") for body in bodies
+              for dims in re.findall(r"= f32\[([\d,]+)\]\{[\d,]*\} (?:copy\(|fusion\(.*calls=%wrapped_copy)", body)]
+    assert tuple(d for d in leaf if d != 1) not in copied
 
 
 @pytest.mark.device
