@@ -13,7 +13,7 @@ which describes all of them. With --adapter NAME=PATH (or --enable-lora and POST
 one base serves many LoRA fine-tunes, picked per request by the `model` field, mixed in one batch.
 
 Every program is compiled at start-up (per batch bucket: decode over each attention window of
---length-buckets, and an insert per prompt block), so no request ever waits for XLA. Concurrent
+--length-buckets, and a prefill per prompt block), so no request ever waits for XLA. Concurrent
 requests share one decode loop (continuous batching): each row has its own position, takes a new
 request the moment it frees, and stops at its own stop token or max_tokens.
 """
@@ -1354,8 +1354,9 @@ def prefill_group(model, variables, adapters, values, token_ids, tables, slots):
 
 def prefill_after_prefix(model, variables, adapters, values, row_cache, token_ids, start, tables, slot):
     """The cache of a prompt whose first `start` positions are already in `row_cache` (copied from the
-    prefix-cache pool): keras-hub's cached call writes the rest as one chunk at `start`, and its causal
-    mask and RoPE follow that index. The logits are dropped, so XLA never computes them."""
+    prefix-cache pool; none: an empty_row): keras-hub's cached call writes the rest as one chunk at `start`,
+    and its causal mask and RoPE follow that index. The logits are dropped, so XLA never computes them.
+    From 0 in an empty row it is `prefill` in a longer row (positions past the block stay zero)."""
     import jax
     kv, history = row_cache
 
@@ -1363,6 +1364,13 @@ def prefill_after_prefix(model, variables, adapters, values, row_cache, token_id
         return cached_call(model, token_ids, kv, start)[2]
     kv = run_stateless(variables, values, lambda: with_adapter(adapters, tables, slot, run))
     return kv, jax.lax.dynamic_update_slice_in_dim(history, token_ids, start, axis=1)
+
+
+def empty_row(model, length):
+    """A one-row cache of `length` positions, zeros: where a prompt with no cached prefix is prefilled."""
+    import jax
+    import jax.numpy as jnp
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), cache_shapes(model, 1, length))
 
 
 def insert(axes, cache, row_cache, row):
@@ -1899,9 +1907,12 @@ class Engine:
         # layout, whichever program made it (a lone prefill, a group's, the pool's gather).
         rows = None if distribution is None else jax.sharding.NamedSharding(
             distribution.device_mesh.backend_mesh, jax.sharding.PartitionSpec())
-        self._prefill = Program(bound(prefill, model, self.variables, adapters), out_shardings=rows)
-        self._prefill_after_prefix = Program(bound(prefill_after_prefix, model, self.variables, adapters),
-                                             out_shardings=rows)
+        # A lone prompt is prefilled into a row of a window's positions, after its cached prefix or from an
+        # empty row: one program per (block, window) serves both (a prefill of its own block's positions, one
+        # per block, was the model's graph once more for each: Gemma 3 270M int8, 14,000 HLO instructions and
+        # some 45 MiB of RSS apiece on a CPU), and at most a window's rows to insert and store.
+        self._prefill = Program(bound(prefill_after_prefix, model, self.variables, adapters), out_shardings=rows)
+        self._empty_row = Program(functools.partial(empty_row, model), static_argnums=(0,), out_shardings=rows)
         self._prefill_group = Program(bound(prefill_group, model, self.variables, adapters), out_shardings=rows)
         self.group_sizes = [g for g in PREFILL_GROUPS if g <= batch_buckets[-1]]
         # The largest block each group size is formed in (group_blocks).
@@ -2033,15 +2044,20 @@ class Engine:
         return ([], 0) if self.prefix is None else self.prefix.reuse(generation, keys)
 
     def compute_row(self, generation, reused, start):
-        """The cache row of a prompt: the `reused` pool blocks copied and the rest computed after them, or
-        all of it computed."""
-        ids, tables, slot = generation.prompt_ids, self.lora_tables, np.int32(generation.slot)
+        """The cache row of a prompt, of the window that holds its block: the `reused` pool blocks copied and
+        the rest computed after them, or all of it computed in an empty row."""
+        ids = generation.prompt_ids
         suffix = self.block_for(len(ids) - start)
-        if not start:
-            return self._prefill(self.values, self.tokens([ids], suffix), tables, slot)
-        row = self.prefix.gather(reused, self.window_for(start + suffix))
-        return self._prefill_after_prefix(self.values, row, self.tokens([ids[start:]], suffix), np.int32(start),
-                                          tables, slot)
+        window = self.window_for(start + suffix)
+        row = self.prefix.gather(reused, window) if start else self._empty_row(window)
+        return self._prefill(self.values, row, self.tokens([ids[start:]], suffix), np.int32(start), self.lora_tables,
+                             np.int32(generation.slot))
+
+    @property
+    def row_lengths(self):
+        """The lengths of the one-row caches prefills make, which batches insert and the pool stores: a
+        window's (a lone prompt's) and a block's of group_blocks (a group's)."""
+        return sorted(set(self.length_buckets) | set(self.group_blocks))
 
     def store_prefix(self, generation, keys, start, row):
         if self.prefix is not None:
@@ -2154,10 +2170,11 @@ Output = collections.namedtuple("Output", "program args pick", defaults=(lambda 
 class WarmUp:
     """Compiles every program an Engine runs, so requests never compile: per batch size, decode over
     each window (a chunk of DECODE_CHUNK tokens, a single token and, in the smallest batch, up to
-    LONG_CHUNK tokens; the first two under grammar masks), an insert for each prompt block and the
-    copies that grow and shrink a batch to its neighbouring sizes; per prompt block, a prefill, and per
-    block of group_blocks, one per group size it has; with a prefix cache, per window a gather and a prefill
-    after each prefix length that fits, per block a pool write; with adapters, the slot update.
+    LONG_CHUNK tokens; the first two under grammar masks), an insert for each row length prefills make
+    and the copies that grow and shrink a batch to its neighbouring sizes; per window an empty row, per
+    prompt block a prefill in the window that holds it, and per block of group_blocks one per group size it
+    has; with a prefix cache, per window a gather and a prefill after each prefix length that fits, per row
+    length a pool write; with adapters, the slot update.
 
     first() compiles what the smallest batch needs to answer, a token a step (its one-token decodes,
     inserts and prefills), and runs each of those programs once: the server can answer after it. rest()
@@ -2172,10 +2189,9 @@ class WarmUp:
         self.build = Builder(threads or min(os.cpu_count() or 1, 16), store)
         self.pending = []  # the parts rest() has still to compile, by name (for /health and /metrics)
         self.prefix = engine.prefix  # held back from the Engine until its programs exist
-        # One arguments object per prompt block and per (program, arguments) one lowering, however often used.
-        self.prefills = {block: Output(engine._prefill, (engine.values, engine.tokens([[engine.bos]], block),
-                                                         engine.lora_tables, np.int32(0)))
-                         for block in engine.prompt_blocks}
+        # One arguments object per row length and per (block, window), and per (program, arguments) one
+        # lowering, however often used.
+        self.rows, self.prefills = {}, {}
         self.decodes, self.caches = {}, {}
         self.first_names = []
 
@@ -2262,8 +2278,27 @@ class WarmUp:
         return part + " (decode, inserts, the copies to and from the next smaller size)"
 
     def prefill_calls(self):
-        """(name, jitted program, arguments) of a lone prompt's prefill, per block."""
-        return [(f"prefill block {block}", *self.prefills[block][:2]) for block in self.engine.prompt_blocks]
+        """(name, jitted program, arguments) of what a lone prompt with no cached prefix needs: per window an
+        empty row, per block its prefill in the window that holds it."""
+        engine = self.engine
+        return ([(f"empty row window {window}", *self.row(window)[:2]) for window in engine.length_buckets]
+                + [self.prefill_call(block, engine.window_for(block)) for block in engine.prompt_blocks])
+
+    def row(self, length):
+        """An Output that stands for a one-row cache of `length` positions, as every prefill hands one over."""
+        if length not in self.rows:
+            self.rows[length] = Output(self.engine._empty_row, (length,))
+        return self.rows[length]
+
+    def prefill_call(self, block, window):
+        """A lone prompt's prefill of `block` tokens in a row of `window` positions: from an empty row or after
+        a cached prefix, one program."""
+        engine = self.engine
+        if (block, window) not in self.prefills:
+            self.prefills[block, window] = Output(engine._prefill, (
+                engine.values, self.row(window), engine.tokens([[engine.bos]], block), np.int32(0),
+                engine.lora_tables, np.int32(0)))
+        return (f"prefill block {block} in window {window}", *self.prefills[block, window][:2])
 
     def decode_args(self, batch, window, steps):
         """A decode program's arguments as its DecodeBatch passes them (the cache as an abstract shape and
@@ -2316,9 +2351,8 @@ class WarmUp:
         calls += [(f"decode batch {batch} window {window} chunk 1", programs.decode, self.decode_args(batch, window, 1))
                   for window in engine.length_buckets]
         calls += self.chunk_calls(batch) if chunks else []
-        for block in engine.prompt_blocks:
-            calls.append((f"insert batch {batch} block {block}", programs.insert,
-                          (cache, self.prefills[block], int32(0))))
+        for length in engine.row_lengths:
+            calls.append((f"insert batch {batch} row of {length}", programs.insert, (cache, self.row(length), int32(0))))
         at = engine.batch_buckets.index(batch)
         if at:
             smaller = engine.batch_buckets[at - 1]
@@ -2335,19 +2369,19 @@ class WarmUp:
                 for block, sizes in engine.group_blocks.items() for size in sizes]
 
     def prefix_calls(self):
+        """Per row length a pool write; per window a gather, and a prefill after each prefix length that fits
+        (those of the blocks it holds are compiled already, for prompts with no cached prefix)."""
         engine, prefix, calls, int32 = self.engine, self.prefix, [], np.int32
         size, scratch = prefix.block_tokens, prefix.scratch
-        for length in engine.prompt_blocks:
-            calls.append((f"pool store block {length}", prefix.store_program,
-                          (prefix.pool, self.prefills[length], np.zeros(length // size, int32),
+        for length in engine.row_lengths:
+            calls.append((f"pool store row of {length}", prefix.store_program,
+                          (prefix.pool, self.row(length), np.zeros(length // size, int32),
                            np.full(length // size, scratch, int32))))
-            if length in engine.length_buckets:
-                gathered = Output(prefix.gather_program, (prefix.pool, np.full(length // size, scratch, int32)))
-                calls.append((f"pool gather window {length}", *gathered[:2]))
-                for suffix in (s for s in engine.prompt_blocks if s <= length - size):
-                    calls.append((f"prefill block {suffix} after a prefix in window {length}",
-                                  engine._prefill_after_prefix, (engine.values, gathered, engine.tokens(
-                                      [[engine.bos]], suffix), int32(size), engine.lora_tables, int32(0))))
+        for window in engine.length_buckets:
+            calls.append((f"pool gather window {window}", prefix.gather_program,
+                          (prefix.pool, np.full(window // size, scratch, int32))))
+            calls += [self.prefill_call(suffix, window) for suffix in engine.prompt_blocks
+                      if suffix <= window - size and engine.window_for(suffix) != window]
         return calls
 
     def decode(self, batch):

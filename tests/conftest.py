@@ -165,6 +165,23 @@ def adapter_server(tiny_model, yes_model, no_model, chat_model, start_server):
                         "--adapter", f"chat={chat_model}", *ADAPTER_SERVE_FLAGS)
 
 
+PLAIN_PREFILLS = {}
+
+
+def plain_prefill(engine, prompt, block, slot=0):
+    """keras-hub's own prefill of one prompt in a row of its block's positions (serve.prefill, jitted once per
+    engine): what the engine's rows, made in a window's row or after a cached prefix, must hold."""
+    import functools
+    import jax
+    import numpy as np
+    import serve
+    if id(engine) not in PLAIN_PREFILLS:
+        PLAIN_PREFILLS[id(engine)] = jax.jit(functools.partial(serve.prefill, engine.model, engine.variables,
+                                                               engine.adapters))
+    return PLAIN_PREFILLS[id(engine)](engine.values, engine.tokens([prompt], block), engine.lora_tables,
+                                      np.int32(slot))
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import REPO, SAMPLE_DATA, YES_QUESTIONS, http, script_env
+from conftest import REPO, SAMPLE_DATA, YES_QUESTIONS, http, plain_prefill, script_env
 
 CHAT = "<start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n"
 ARTICLE = "Instruction:\n{}\n\nResponse:\n"
@@ -222,7 +222,7 @@ def test_prompts_prefilled_as_a_group_each_get_their_own_adapter(tiny, no_model,
     group = engine._prefill_group(engine.values, engine.tokens([prompt] * 4, block), engine.lora_tables,
                                   np.array(row_slots, np.int32))
     for slot, row in zip(row_slots, group):
-        alone = engine._prefill(engine.values, engine.tokens([prompt], block), engine.lora_tables, np.int32(slot))
+        alone = plain_prefill(engine, prompt, block, slot)
         for a, b in zip(jax.tree.leaves(row), jax.tree.leaves(alone)):
             assert a.shape == b.shape
             np.testing.assert_allclose(a, b, atol=1e-5)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import serve
-from conftest import SERVE_FLAGS, TRANSCENDENTAL_RTOL, http
+from conftest import SERVE_FLAGS, TRANSCENDENTAL_RTOL, http, plain_prefill
 
 # ----------------------------------------------------------------------------- steps alone
 
@@ -290,7 +290,7 @@ def test_a_cached_prefix_gives_the_same_cache_and_tokens_as_computing_it(engine)
                                atol=1e-4)
     row = serve.Generation(prompt, 1, serve.SAMPLER_DEFAULTS["greedy"], 0, [], None)
     cached_row, start = engine.prefill_row(row)
-    plain = engine._prefill(engine.values, engine.tokens([prompt], 64), engine.lora_tables, np.int32(0))
+    plain = plain_prefill(engine, prompt, 64)
     assert start == 32
     import jax
     for c, p, axis in zip(jax.tree.leaves(cached_row), jax.tree.leaves(plain), jax.tree.leaves(engine.axes)):
@@ -355,7 +355,7 @@ def test_a_group_prefills_what_each_prompt_gets_alone_and_a_shared_prefix_waits_
     assert [start for _, start in caches] == [0, 0, 32]
     import jax
     for prompt, (cache, _) in zip((first, other, sharing), caches):
-        plain = engine._prefill(engine.values, engine.tokens([prompt], 64), engine.lora_tables, np.int32(0))
+        plain = plain_prefill(engine, prompt, 64)
         for c, p, axis in zip(jax.tree.leaves(cache), jax.tree.leaves(plain), jax.tree.leaves(engine.axes)):
             assert c.shape == p.shape
             np.testing.assert_allclose(np.take(c, range(len(prompt)), axis), np.take(p, range(len(prompt)), axis),
@@ -596,8 +596,15 @@ def mixed_generations(engine):
 
 
 def answers(generations):
-    return [(g.ids, g.text, g.finish_reason, [(t, round(p, 5), [(i, round(q, 5)) for i, q in top])
-                                              for t, p, top in g.token_logprobs]) for g in generations]
+    """Each request's tokens, text, finish and top log-probabilities' ids (their values: logprobs_of)."""
+    return [(g.ids, g.text, g.finish_reason, [(t, [i for i, _ in top]) for t, _, top in g.token_logprobs])
+            for g in generations]
+
+
+def logprobs_of(generations):
+    """Every log-probability the requests were answered, the token's and its alternatives': equal to float
+    rounding only where a prompt was prefilled alone in one run and in a group in the other."""
+    return [q for g in generations for _, p, top in g.token_logprobs for q in (p, *(q for _, q in top))]
 
 
 @pytest.mark.device
@@ -632,6 +639,7 @@ def test_chunks_dispatched_ahead_answer_as_chunks_read_one_by_one_and_compile_no
     assert not compiled, "a chunk dispatched ahead compiled at request time"
     assert merged and sum(early) > 0  # chunks started from the device's tokens; rows were handed on before reading
     assert answers(generations) == answers(reference)
+    np.testing.assert_allclose(logprobs_of(generations), logprobs_of(reference), atol=1e-5)
     assert all(g.done.is_set() for g in generations)
 
 

@@ -106,7 +106,12 @@ def test_a_parallel_warm_up_compiles_what_the_serial_one_runs(model):
     names = {name for name, _, _ in warm_up.compiled}
     assert {"decode batch 2 window 64 chunk 4", "decode batch 4 window 128 chunk 1", "next tokens batch 2",
             "resize batch 1 to 2", "resize batch 4 to 2", "prefill 2 prompts block 16",
-            "prefill block 16 after a prefix in window 128"} <= names
+            "prefill block 16 in window 64", "prefill block 16 in window 128", "empty row window 64"} <= names
+    # A lone prompt is prefilled in a window's row, from an empty one or after a cached prefix: one program per
+    # (block, window) for both, none of a block's own length (issue #35).
+    assert {name for name in names if name.startswith("prefill block ")} == {
+        f"prefill block {block} in window {window}" for window in (64, 128) for block in engine.prompt_blocks
+        if block <= window - 16 or block == window}
     # Where the smallest batch has long decodes and chunks are not dispatched ahead, the long decode makes its
     # chunks of DECODE_CHUNK tokens too: no program of its own for those.
     assert ("decode batch 1 window 64 chunk 4" in names) != engine.long_makes_chunks(1)
@@ -275,7 +280,7 @@ def test_the_warm_ups_programs_serve_on_once_its_tracing_is_dropped(model):
     warm_up.build.drop_tracing()
     # Every compiled program is now held by its Program, as one loaded from the program store is.
     assert warm_up.build.lowered == {} and warm_up.build.executables == []
-    held = sum(len(p.loaded) for p in [engine._prefill, engine._prefill_group, engine._prefill_after_prefix,
+    held = sum(len(p.loaded) for p in [engine._prefill, engine._prefill_group, engine._empty_row,
                                        engine.prefix.store_program, engine.prefix.gather_program]
                + [p for programs in engine.programs.values()
                   for p in (programs.new_cache, programs.insert, programs.decode, programs.decode_long,
