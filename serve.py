@@ -447,17 +447,17 @@ class SentencePieces(collections.abc.Sequence):
     262,144 pieces: 37 MiB of RSS), for what the processor answers itself."""
 
     def __init__(self, processor):
-        self.processor = processor
+        self.processor, self.size = processor, processor.get_piece_size()  # a loaded vocabulary never changes
 
     def __len__(self):
-        return self.processor.get_piece_size()
+        return self.size
 
     def __getitem__(self, i):
         if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        if not -len(self) <= i < len(self):
+            return [self[j] for j in range(*i.indices(self.size))]
+        if not -self.size <= i < self.size:
             raise IndexError(i)
-        return self.processor.id_to_piece(i % len(self))
+        return self.processor.id_to_piece(i % self.size)
 
     def __contains__(self, piece):
         return self.id(piece) is not None
@@ -1629,23 +1629,22 @@ def decode_chunk(model, variables, adapters, axes, unroll, values, cache, window
 
 def decode_until_done(model, variables, adapters, axes, unroll, values, cache, window, steps, masks, tokens, positions,
                       remaining, stop_ids, limit, tables, slots, *sampling):
-    """Up to `limit` tokens (at most `steps`, the size of the outputs) in one dispatch, DECODE_CHUNK at a
-    time, stopping after the chunk in which the last row ended: sampled one of `stop_ids`, or made its
+    """Up to `limit` tokens (at most `steps`, the size of the outputs) in one dispatch, a token at a time,
+    stopping after the token with which the last row ended: sampled one of `stop_ids`, or made its
     `remaining` tokens (0 for a free row). The Engine runs it when no request waits for a row, so a lone
     request pays the per-dispatch cost (the host's, and the weight-layout copies XLA makes once per run of
     a program) once every `limit` tokens instead of every DECODE_CHUNK (Gemma 3 270M float32 on 2 CPU
-    cores, batch 1, 16 tokens: 18.7 -> 21.0 tokens/s), yet never waits on more than DECODE_CHUNK - 1
-    tokens past its end (stop strings are found on the host, after the dispatch). `limit` is an input, so
-    the host can size it to the model's speed without compiling anything (Engine.long_limit); at a `limit`
-    of DECODE_CHUNK it makes what decode_chunk does, grammar `masks` on the first token included, so the
-    batch that has it needs no decode_chunk of DECODE_CHUNK tokens (Engine.long_makes_chunks).
+    cores, batch 1, 16 tokens: 18.7 -> 21.0 tokens/s). `limit` is an input, so the host can size it to the
+    model's speed without compiling anything (Engine.long_limit); at a `limit` of 1 or DECODE_CHUNK it
+    makes what decode_chunk does, grammar `masks` on the first token included, so the batch that has it
+    needs no decode_chunk at all (Engine.long_makes_chunks).
     -> ((tokens, log-probabilities) per step, the number of steps made), cache."""
     import jax
     import jax.numpy as jnp
     view = by_row(window_view(axes, cache, window))
     values = lay_out_for_loops(variables, values)
     shapes = jax.eval_shape(lambda: decode_steps(model, variables, adapters, unroll, values, view, window,
-                                                 jnp.arange(DECODE_CHUNK), masks, tokens, positions, tables, slots,
+                                                 jnp.arange(1), masks, tokens, positions, tables, slots,
                                                  sampling, laid_out=True)[1])
     outputs = jax.tree.map(lambda s: jnp.zeros((steps,) + s.shape[1:], s.dtype), shapes)
     alive = remaining > 0
@@ -1654,17 +1653,17 @@ def decode_until_done(model, variables, adapters, axes, unroll, values, cache, w
         _, _, made, alive, _ = carry
         return (made < jnp.minimum(limit, steps)) & alive.any()
 
-    def chunk(carry):
+    def token(carry):
         view, tokens, made, alive, outputs = carry
-        (view, tokens), out = decode_steps(model, variables, adapters, unroll, values, view, window,
-                                           made + jnp.arange(DECODE_CHUNK), masks, tokens, positions, tables, slots,
+        (view, tokens), out = decode_steps(model, variables, adapters, True, values, view, window,
+                                           made + jnp.arange(1), masks, tokens, positions, tables, slots,
                                            sampling, laid_out=True)
         outputs = jax.tree.map(lambda whole, part: jax.lax.dynamic_update_slice_in_dim(whole, part, made, axis=0),
                                outputs, out)
         stopped = (out[0][:, :, None] == stop_ids[None, None, :]).any(axis=(0, 2))
-        alive &= ~stopped & (remaining > made + DECODE_CHUNK)
-        return view, tokens, made + DECODE_CHUNK, alive, outputs
-    view, _, made, _, outputs = jax.lax.while_loop(more, chunk, (view, tokens, jnp.int32(0), alive, outputs))
+        alive &= ~stopped & (remaining > made + 1)
+        return view, tokens, made + 1, alive, outputs
+    view, _, made, _, outputs = jax.lax.while_loop(more, token, (view, tokens, jnp.int32(0), alive, outputs))
     return (outputs, made), write_view(axes, cache, from_rows(view))
 
 
@@ -1969,11 +1968,11 @@ class Engine:
              for size in self.batch_buckets[max(at - 1, 0):at] + self.batch_buckets[at + 1:at + 2]})
 
     def long_makes_chunks(self, batch):
-        """Whether a batch size's chunks of DECODE_CHUNK tokens are made by its long decode, stopped after one
-        chunk (DecodeBatch.step), and need no program of their own: where it has one and chunks are not
-        dispatched ahead (a CPU), which reads the last token of decode_chunk's output on the device. One
-        unrolled program fewer to compile and hold (Gemma 3 270M int8 on a CPU: 73,000 HLO instructions,
-        about 170 MiB)."""
+        """Whether a batch size's single tokens and chunks of DECODE_CHUNK tokens are made by its long decode,
+        stopped after as many (DecodeBatch.step), and need no program of their own: where it has one and
+        chunks are not dispatched ahead (a CPU), which reads the last token of decode_chunk's output on the
+        device. Two programs fewer per window to compile and hold (Gemma 3 270M int8 on a CPU, the one-token
+        decode: 18,600 HLO instructions)."""
         return self.programs[batch].decode_long is not None and not self.dispatch_ahead
 
     def open_masks(self, batch):
@@ -2329,12 +2328,12 @@ class WarmUp:
         """A batch size's multi-token decodes: DECODE_CHUNK tokens (and on a CPU, in the smallest batch, up
         to LONGEST_CHUNK) a dispatch, over each window, and with dispatch-ahead the next chunk's input tokens."""
         engine, programs = self.engine, self.engine.programs[batch]
-        calls = [] if engine.long_makes_chunks(batch) else [
-            (f"decode batch {batch} window {window} chunk {DECODE_CHUNK}", programs.decode,
-             self.decode_args(batch, window, DECODE_CHUNK)) for window in engine.length_buckets]
+        if engine.long_makes_chunks(batch):
+            return []  # the long decodes, compiled with the one-token ones (token_calls), make every chunk
+        calls = [(f"decode batch {batch} window {window} chunk {DECODE_CHUNK}", programs.decode,
+                  self.decode_args(batch, window, DECODE_CHUNK)) for window in engine.length_buckets]
         if programs.decode_long is not None:
-            calls += [(f"decode batch {batch} window {window} long", programs.decode_long,
-                       self.decode_args(batch, window, LONGEST_CHUNK)) for window in engine.length_buckets]
+            calls += self.long_calls(batch)
         if engine.dispatch_ahead:  # a chunk's input tokens, from the chunk before it still on the device
             sampled = Output(programs.decode, self.decode_args(batch, engine.length_buckets[0], DECODE_CHUNK),
                              lambda out: out[0][0])
@@ -2342,14 +2341,25 @@ class WarmUp:
                           (sampled, engine.feed(np.zeros(batch, bool)), engine.feed(np.zeros(batch, np.int32)))))
         return calls
 
+    def long_calls(self, batch):
+        return [(f"decode batch {batch} window {window} long", self.engine.programs[batch].decode_long,
+                 self.decode_args(batch, window, LONGEST_CHUNK)) for window in self.engine.length_buckets]
+
+    def token_calls(self, batch):
+        """What decodes a token a step, over each window: the one-token decode, or the long decode that makes
+        one token as well (Engine.long_makes_chunks)."""
+        engine = self.engine
+        if engine.long_makes_chunks(batch):
+            return self.long_calls(batch)
+        return [(f"decode batch {batch} window {window} chunk 1", engine.programs[batch].decode,
+                 self.decode_args(batch, window, 1)) for window in engine.length_buckets]
+
     def batch_calls(self, batch, chunks=True):
         """The programs of one batch size (with `chunks`, its multi-token decodes too) and the copies
         between it and the next smaller size, both ways."""
         engine, int32 = self.engine, np.int32
         programs, cache = engine.programs[batch], self.batch_cache(batch)
-        calls = [(f"new cache batch {batch}", programs.new_cache, ())]
-        calls += [(f"decode batch {batch} window {window} chunk 1", programs.decode, self.decode_args(batch, window, 1))
-                  for window in engine.length_buckets]
+        calls = [(f"new cache batch {batch}", programs.new_cache, ())] + self.token_calls(batch)
         calls += self.chunk_calls(batch) if chunks else []
         for length in engine.row_lengths:
             calls.append((f"insert batch {batch} row of {length}", programs.insert, (cache, self.row(length), int32(0))))
@@ -2918,13 +2928,14 @@ class DecodeBatch:
                 self.vacate_settings(row)
         if self.sampling is None:
             self.sampling = [engine.feed(a) for a in (self.slots, *self.sampler.arrays())]
-        if window is None:
-            window = engine.window_for(max((self.positions[row] for row, _ in busy), default=0) + steps)
+        limit = engine.long_limit() if steps == LONG_CHUNK else steps  # the most tokens this dispatch makes
+        if window is None:  # one that holds every row's last position of the dispatch
+            window = engine.window_for(max((self.positions[row] for row, _ in busy), default=0) + limit)
         tokens = engine.feed(self.tokens)
         if self.pending is not None and self.stale.any():  # rows that carry on: from the pending chunk's tokens
             tokens = self.next_tokens(self.pending[0], engine.feed(self.stale), tokens)
         inputs = tokens, engine.feed(self.positions)
-        looped = steps == LONG_CHUNK or (steps == DECODE_CHUNK and engine.long_makes_chunks(self.size))
+        looped = steps == LONG_CHUNK or engine.long_makes_chunks(self.size)
         # A grammar row's tokens are checked, and its next mask made, before the next chunk is dispatched.
         start, read_now = self.positions.copy(), looped or steps != DECODE_CHUNK or masked or not engine.dispatch_ahead
         if looped:
@@ -2934,7 +2945,7 @@ class DecodeBatch:
                 remaining[row] = max(1, min(g.max_tokens - len(g.ids), self.length - 1 - self.positions[row]))
             stop_ids = np.full(8, -1, np.int32)  # one shape, whatever the model's stop tokens
             stop_ids[:len(engine.stop_ids)] = sorted(engine.stop_ids)
-            limit, started = engine.long_limit() if steps == LONG_CHUNK else DECODE_CHUNK, time.perf_counter()
+            started = time.perf_counter()
             ((sampled, logprobs), made), self.cache = self.decode_long(
                 engine.values, self.cache, window, LONGEST_CHUNK, self.grammars.inputs(masked), *inputs,
                 engine.feed(remaining), engine.feed(stop_ids, replicated=True),

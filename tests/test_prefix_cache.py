@@ -515,12 +515,13 @@ def test_a_lone_request_in_long_chunks_gets_the_tokens_and_logprobs_of_short_one
     prompt = [engine.bos] + list(range(500, 520))
     short, long, chunks = (serve.Generation(prompt, 37, sampling, seed, [], None, logprobs=3) for _ in range(3))
     # Batch 2's chunks are decode_chunk's; batch 1 makes its own DECODE_CHUNKs with its long decode, stopped
-    # after one chunk.
+    # after as many tokens.
     assert engine.programs[2].decode_long is None
     assert decode_alone(engine, short, serve.DECODE_CHUNK, batch=2) == [serve.DECODE_CHUNK] * 10
-    assert decode_alone(engine, chunks, serve.DECODE_CHUNK) == [serve.DECODE_CHUNK] * 10
-    # 37 tokens: two full long chunks, then the last 5 need one more chunk of which 8 steps run.
-    assert decode_alone(engine, long) == [serve.LONG_CHUNK, serve.LONG_CHUNK, 2 * serve.DECODE_CHUNK]
+    # It stops on the last token a row needs (decode_chunk, read by the host, makes the whole chunk).
+    assert decode_alone(engine, chunks, serve.DECODE_CHUNK) == [serve.DECODE_CHUNK] * 9 + [1]
+    # 37 tokens: two full long chunks, then one of the last 5 (a long dispatch makes a token at a time).
+    assert decode_alone(engine, long) == [serve.LONG_CHUNK, serve.LONG_CHUNK, 5]
     for got in (long, chunks):
         assert got.ids == short.ids and len(got.ids) == 37 and got.finish_reason == "length"
         for (t1, lp1, top1), (t2, lp2, top2) in zip(got.token_logprobs, short.token_logprobs):
@@ -530,13 +531,18 @@ def test_a_lone_request_in_long_chunks_gets_the_tokens_and_logprobs_of_short_one
 
 @pytest.mark.device
 def test_a_fast_model_makes_longer_long_chunks_with_the_same_tokens(engine):
+    """A long dispatch may make more tokens than LONG_CHUNK: it attends over a window that holds them all (in
+    the window of position + LONG_CHUNK, the rows went past its end with wrong log-probabilities)."""
     prompt = [engine.bos] + list(range(520, 540))
-    short, long = (serve.Generation(prompt, 90, serve.SAMPLER_DEFAULTS["greedy"], 0, [], None) for _ in range(2))
+    short, long = (serve.Generation(prompt, 90, serve.SAMPLER_DEFAULTS["greedy"], 0, [], None, logprobs=1)
+                   for _ in range(2))
     decode_alone(engine, short, serve.DECODE_CHUNK)
     engine.long_chunk_seconds, engine.token_seconds = 1000.0, None  # any speed fits LONGEST_CHUNK tokens
     try:
-        # Nothing measured yet: LONG_CHUNK; then the longest, then what remains (90 - 16 - 64 = 10) in 4s.
-        assert decode_alone(engine, long) == [serve.LONG_CHUNK, serve.LONGEST_CHUNK, 3 * serve.DECODE_CHUNK]
+        # Nothing measured yet: LONG_CHUNK; then the longest (positions 36-99, past the 64 window), then what
+        # remains (90 - 16 - 64 = 10).
+        assert engine.length_buckets == [64, 128]
+        assert decode_alone(engine, long) == [serve.LONG_CHUNK, serve.LONGEST_CHUNK, 10]
         assert 0 < engine.token_seconds < 1
         engine.long_chunk_seconds = engine.token_seconds * (serve.LONG_CHUNK + serve.DECODE_CHUNK + 1)
         assert engine.long_limit() == serve.LONG_CHUNK + serve.DECODE_CHUNK  # whole chunks that fit the time
@@ -545,10 +551,12 @@ def test_a_fast_model_makes_longer_long_chunks_with_the_same_tokens(engine):
     finally:
         engine.long_chunk_seconds = 0
     assert long.ids == short.ids and len(long.ids) == 90
+    np.testing.assert_allclose([p for _, p, _ in long.token_logprobs], [p for _, p, _ in short.token_logprobs],
+                               atol=1e-5)
 
 
 @pytest.mark.device
-def test_a_long_chunk_ends_with_the_short_chunk_in_which_its_row_stopped(engine):
+def test_a_long_chunk_ends_with_the_token_on_which_its_row_stopped(engine):
     prompt = [engine.bos] + list(range(600, 630))
     sampling = {"temperature": 1.0, "top_k": serve.CANDIDATES, "top_p": 1.0}  # varied tokens, seeded
     reference = serve.Generation(prompt, 12, sampling, 3, [], None)
@@ -560,7 +568,7 @@ def test_a_long_chunk_ends_with_the_short_chunk_in_which_its_row_stopped(engine)
     engine.stop_ids = saved | {stop}
     try:
         stopped = serve.Generation(prompt, 40, sampling, 3, [], None)
-        assert decode_alone(engine, stopped) == [2 * serve.DECODE_CHUNK]  # not LONG_CHUNK: 8 steps ran, then none
+        assert decode_alone(engine, stopped) == [at + 1]  # not LONG_CHUNK: it stopped on the stop token
     finally:
         engine.stop_ids = saved
     assert stopped.ids == reference.ids[:at] and stopped.finish_reason == "stop"
@@ -571,7 +579,7 @@ def test_streamed_and_waited_on_rows_keep_short_chunks(engine):
     prompt = [engine.bos] + list(range(700, 710))
     streamed = serve.Generation(prompt, 20, serve.SAMPLER_DEFAULTS["greedy"], 0, [], queue.Queue())
     first, *rest = decode_alone(engine, streamed)
-    assert first == 1 and set(rest) == {serve.DECODE_CHUNK}  # the first token alone, as soon as it is made
+    assert first == 1 and rest == [serve.DECODE_CHUNK] * 4 + [3]  # the first token alone, as soon as it is made
     decoding = serve.DecodeBatch(engine, 1)
     waited_on = serve.Generation(prompt, 20, serve.SAMPLER_DEFAULTS["greedy"], 0, [], None)
     decoding.admit(waited_on)

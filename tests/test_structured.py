@@ -246,9 +246,11 @@ def test_grammar_rows_keep_multi_token_dispatches_and_answer_as_a_token_a_step(g
                 for extra, _ in ENGINE_FORMS]
     programs, dispatches = engine.programs[8], []
 
-    def decode(values, cache, window, steps, masks, *rest):
-        dispatches.append((steps, masks is not engine.open_masks(8)))
-        return programs.decode(values, cache, window, steps, masks, *rest)
+    def counted(program, long):  # a long decode makes `limit` tokens (rest[4]), on a CPU its batch's chunks too
+        def decode(values, cache, window, steps, masks, *rest):
+            dispatches.append((int(np.asarray(rest[4])) if long else steps, masks is not engine.open_masks(8)))
+            return program(values, cache, window, steps, masks, *rest)
+        return decode
 
     def run(chunked):
         rows = []
@@ -266,7 +268,8 @@ def test_grammar_rows_keep_multi_token_dispatches_and_answer_as_a_token_a_step(g
         finally:
             engine.chunked = True
         return rows, max(freed)  # the dispatches the free rows took
-    engine.programs[8] = programs._replace(decode=decode)
+    engine.programs[8] = programs._replace(decode=counted(programs.decode, False), decode_long=None if (
+        programs.decode_long is None) else counted(programs.decode_long, True))
     try:
         dropped = serve.METRICS.grammar_dropped
         chunked, free_dispatches = run(True)
