@@ -2166,115 +2166,15 @@ def cache_length(cache, axes):
 # An argument that is another program's output (`pick`: which part of it), for WarmUp.submit.
 Output = collections.namedtuple("Output", "program args pick", defaults=(lambda out: out,))
 
-class WarmUp:
-    """Compiles every program an Engine runs, so requests never compile: per batch size, decode over
-    each window (a chunk of DECODE_CHUNK tokens, a single token and, in the smallest batch, up to
-    LONG_CHUNK tokens; the first two under grammar masks), an insert for each row length prefills make
-    and the copies that grow and shrink a batch to its neighbouring sizes; per window an empty row, per
-    prompt block a prefill in the window that holds it, and per block of group_blocks one per group size it
-    has; with a prefix cache, per window a gather and a prefill after each prefix length that fits, per row
-    length a pool write; with adapters, the slot update.
+class WarmUpCalls:
+    """What a WarmUp compiles, as (name, Program, arguments) calls: each program with the very arguments its
+    caller passes (abstract where lowering reads no values), and per part of the warm-up the calls it needs."""
 
-    first() compiles what the smallest batch needs to answer, a token a step (its one-token decodes,
-    inserts and prefills), and runs each of those programs once: the server can answer after it. rest()
-    compiles the other parts, each taking effect in the Engine only once all its programs exist (the
-    smallest batch's multi-token decodes, a batch size in batch_for, the prefix cache, grouped prefills),
-    so a request is never routed to a program that is not compiled; the server runs it on a background
-    thread. The multi-token decodes are the slowest programs to compile (unrolled, or a loop of chunks):
-    left out of first(), they no longer hold back the first answer."""
-
-    def __init__(self, engine, threads=None, store=None):
-        self.engine = engine
-        self.build = Builder(threads or min(os.cpu_count() or 1, 16), store)
-        self.pending = []  # the parts rest() has still to compile, by name (for /health and /metrics)
-        self.prefix = engine.prefix  # held back from the Engine until its programs exist
-        # One arguments object per row length and per (block, window), and per (program, arguments) one
-        # lowering, however often used.
-        self.rows, self.prefills = {}, {}
-        self.decodes, self.caches = {}, {}
-        self.first_names = []
-
-    @property
-    def compiled(self):
-        return self.build.compiled
-
-    def run(self):
-        """Everything, in this thread."""
-        self.first()
-        self.rest()
-
-    def first(self):
-        engine, started = self.engine, time.time()
-        smallest = engine.batch_buckets[0]
-        engine.ready_batches, engine.grouping, engine.prefix, engine.chunked = [smallest], False, None, False
-        self.pending = self.parts()
-        self.build.run(self.prefill_calls() + self.batch_calls(smallest, chunks=False) + self.adapter_calls())
-        self.first_names = list(self.build.order)  # what the server needs to be ready (see Prefetch)
-        self.decode(smallest)
-        log(f"warm-up: batch {smallest}: decode over windows {','.join(map(str, engine.length_buckets))}"
-            f" and prompt blocks {','.join(map(str, engine.prompt_blocks))} in {time.time() - started:.1f}s"
-            f" ({self.build.counts()}, a token a step for now)"
-            f"{'; still to compile: ' + ', '.join(self.pending) if self.pending else ''}")
-        self.adapter_slots()
-
-    def parts(self):
-        """The parts in the order they are compiled and take effect: batch sizes in increasing order (a batch
-        grows through each size on its way), then the prefix cache, then grouped prefills."""
-        engine = self.engine
-        return ([f"chunks batch {engine.batch_buckets[0]}"] + [f"batch {batch}" for batch in engine.batch_buckets[1:]]
-                + (["prefix cache"] if self.prefix else []) + (["grouped prefills"] if engine.group_sizes else []))
-
-    def rest(self):
-        engine, started = self.engine, time.time()
-        smallest = engine.batch_buckets[0]
-        work = {f"batch {batch}": functools.partial(self.batch_calls, batch) for batch in engine.batch_buckets}
-        work.update({f"chunks batch {smallest}": functools.partial(self.chunk_calls, smallest),
-                     "prefix cache": self.prefix_calls, "grouped prefills": self.group_calls})
-        effects = {f"batch {batch}": functools.partial(engine.ready_batches.append, batch)
-                   for batch in engine.batch_buckets}
-        effects.update({f"chunks batch {smallest}": lambda: setattr(engine, "chunked", True),
-                        "prefix cache": lambda: setattr(engine, "prefix", self.prefix),
-                        "grouped prefills": lambda: setattr(engine, "grouping", True)})
-        from concurrent.futures import ThreadPoolExecutor
-
-        def take_effect(queued, wait):  # in order: a batch grows through every smaller size
-            while queued and (wait or all(job.done() for job in queued[0][1])):
-                part, jobs = queued.pop(0)
-                for job in jobs:
-                    job.result()
-                effects[part]()
-                self.pending.remove(part)
-                log(f"warm-up: {self.describe(part)} ready after {time.time() - started:.1f}s more")
-        parts, queued = list(self.pending), []
-        with ThreadPoolExecutor(self.build.threads, thread_name_prefix="warm-up") as pool:
-            # Each part is traced and queued while the ones before it compile: the compiler threads stay busy.
-            for part in parts:
-                queued.append((part, self.build.submit(pool, work[part]())))
-                take_effect(queued, wait=False)
-            take_effect(queued, wait=True)
-        if parts:
-            log(f"warm-up: {self.build.counts()}{self.build.times()}")
-
-    def describe(self, part):
-        engine = self.engine
-        if part == "prefix cache":
-            return (f"prefix cache of {self.prefix.blocks} blocks of {self.prefix.block_tokens} tokens "
-                    f"({self.prefix.pool_bytes / 2**20:,.1f} MiB)")
-        if part == "grouped prefills":
-            by_blocks = collections.defaultdict(list)  # sizes formed in the same blocks, said once
-            for size in engine.group_sizes:
-                blocks = tuple(b for b, sizes in engine.group_blocks.items() if size in sizes)
-                if blocks:
-                    by_blocks[blocks].append(size)
-            return "prefills of " + "; ".join(f"{','.join(map(str, sizes))} prompts at once in blocks "
-                                              f"{','.join(map(str, blocks))}" for blocks, sizes in by_blocks.items())
-        if part.startswith("chunks"):
-            smallest = engine.batch_buckets[0]
-            return (f"batch {smallest}'s decodes of {DECODE_CHUNK}"
-                    f"{f' and up to {LONGEST_CHUNK}' if engine.programs[smallest].decode_long else ''} tokens a "
-                    f"dispatch{', unrolled' if smallest in engine.unrolled else ''}"
-                    f"{', dispatched ahead' if engine.dispatch_ahead else ''}")
-        return part + " (decode, inserts, the copies to and from the next smaller size)"
+    def __init__(self, engine, prefix):
+        self.engine, self.prefix = engine, prefix  # the prefix pool, held back from the Engine meanwhile
+        # One arguments object per row length, (block, window), (batch, window, steps) and batch size, and per
+        # (program, arguments) one lowering, however often used.
+        self.rows, self.prefills, self.decodes, self.caches = {}, {}, {}, {}
 
     def prefill_calls(self):
         """(name, jitted program, arguments) of what a lone prompt with no cached prefix needs: per window an
@@ -2394,6 +2294,125 @@ class WarmUp:
                       if suffix <= window - size and engine.window_for(suffix) != window]
         return calls
 
+    def adapter_calls(self):
+        """The slot update adapters are loaded with."""
+        slots = self.engine.adapters
+        return [] if slots is None else [("adapter slot update", slots._write, self.empty_slot())]
+
+    def empty_slot(self):
+        import jax
+        slots = self.engine.adapters
+        return slots.tables, np.int32(0), slots.put(jax.tree.map(lambda t: np.zeros(t.shape[1:], t.dtype), slots.tables))
+
+
+class WarmUp:
+    """Compiles every program an Engine runs, so requests never compile: per batch size, decode over
+    each window (a chunk of DECODE_CHUNK tokens, a single token and, in the smallest batch, up to
+    LONG_CHUNK tokens; the first two under grammar masks), an insert for each row length prefills make
+    and the copies that grow and shrink a batch to its neighbouring sizes; per window an empty row, per
+    prompt block a prefill in the window that holds it, and per block of group_blocks one per group size it
+    has; with a prefix cache, per window a gather and a prefill after each prefix length that fits, per row
+    length a pool write; with adapters, the slot update.
+
+    first() compiles what the smallest batch needs to answer, a token a step (its one-token decodes,
+    inserts and prefills), and runs each of those programs once: the server can answer after it. rest()
+    compiles the other parts, each taking effect in the Engine only once all its programs exist (the
+    smallest batch's multi-token decodes, a batch size in batch_for, the prefix cache, grouped prefills),
+    so a request is never routed to a program that is not compiled; the server runs it on a background
+    thread. The multi-token decodes are the slowest programs to compile (unrolled, or a loop of chunks):
+    left out of first(), they no longer hold back the first answer."""
+
+    def __init__(self, engine, threads=None, store=None):
+        self.engine = engine
+        self.build = Builder(threads or min(os.cpu_count() or 1, 16), store)
+        self.pending = []  # the parts rest() has still to compile, by name (for /health and /metrics)
+        self.prefix = engine.prefix  # held back from the Engine until its programs exist
+        self.calls = WarmUpCalls(engine, self.prefix)
+        self.first_names = []
+
+    @property
+    def compiled(self):
+        return self.build.compiled
+
+    def run(self):
+        """Everything, in this thread."""
+        self.first()
+        self.rest()
+
+    def first(self):
+        engine, started = self.engine, time.time()
+        smallest = engine.batch_buckets[0]
+        engine.ready_batches, engine.grouping, engine.prefix, engine.chunked = [smallest], False, None, False
+        self.pending = self.parts()
+        calls = self.calls
+        self.build.run(calls.prefill_calls() + calls.batch_calls(smallest, chunks=False) + calls.adapter_calls())
+        self.first_names = list(self.build.order)  # what the server needs to be ready (see Prefetch)
+        self.decode(smallest)
+        log(f"warm-up: batch {smallest}: decode over windows {','.join(map(str, engine.length_buckets))}"
+            f" and prompt blocks {','.join(map(str, engine.prompt_blocks))} in {time.time() - started:.1f}s"
+            f" ({self.build.counts()}, a token a step for now)"
+            f"{'; still to compile: ' + ', '.join(self.pending) if self.pending else ''}")
+        self.adapter_slots()
+
+    def parts(self):
+        """The parts in the order they are compiled and take effect: batch sizes in increasing order (a batch
+        grows through each size on its way), then the prefix cache, then grouped prefills."""
+        engine = self.engine
+        return ([f"chunks batch {engine.batch_buckets[0]}"] + [f"batch {batch}" for batch in engine.batch_buckets[1:]]
+                + (["prefix cache"] if self.prefix else []) + (["grouped prefills"] if engine.group_sizes else []))
+
+    def rest(self):
+        engine, started = self.engine, time.time()
+        smallest = engine.batch_buckets[0]
+        work = {f"batch {batch}": functools.partial(self.calls.batch_calls, batch) for batch in engine.batch_buckets}
+        work.update({f"chunks batch {smallest}": functools.partial(self.calls.chunk_calls, smallest),
+                     "prefix cache": self.calls.prefix_calls, "grouped prefills": self.calls.group_calls})
+        effects = {f"batch {batch}": functools.partial(engine.ready_batches.append, batch)
+                   for batch in engine.batch_buckets}
+        effects.update({f"chunks batch {smallest}": lambda: setattr(engine, "chunked", True),
+                        "prefix cache": lambda: setattr(engine, "prefix", self.prefix),
+                        "grouped prefills": lambda: setattr(engine, "grouping", True)})
+        from concurrent.futures import ThreadPoolExecutor
+
+        def take_effect(queued, wait):  # in order: a batch grows through every smaller size
+            while queued and (wait or all(job.done() for job in queued[0][1])):
+                part, jobs = queued.pop(0)
+                for job in jobs:
+                    job.result()
+                effects[part]()
+                self.pending.remove(part)
+                log(f"warm-up: {self.describe(part)} ready after {time.time() - started:.1f}s more")
+        parts, queued = list(self.pending), []
+        with ThreadPoolExecutor(self.build.threads, thread_name_prefix="warm-up") as pool:
+            # Each part is traced and queued while the ones before it compile: the compiler threads stay busy.
+            for part in parts:
+                queued.append((part, self.build.submit(pool, work[part]())))
+                take_effect(queued, wait=False)
+            take_effect(queued, wait=True)
+        if parts:
+            log(f"warm-up: {self.build.counts()}{self.build.times()}")
+
+    def describe(self, part):
+        engine = self.engine
+        if part == "prefix cache":
+            return (f"prefix cache of {self.prefix.blocks} blocks of {self.prefix.block_tokens} tokens "
+                    f"({self.prefix.pool_bytes / 2**20:,.1f} MiB)")
+        if part == "grouped prefills":
+            by_blocks = collections.defaultdict(list)  # sizes formed in the same blocks, said once
+            for size in engine.group_sizes:
+                blocks = tuple(b for b, sizes in engine.group_blocks.items() if size in sizes)
+                if blocks:
+                    by_blocks[blocks].append(size)
+            return "prefills of " + "; ".join(f"{','.join(map(str, sizes))} prompts at once in blocks "
+                                              f"{','.join(map(str, blocks))}" for blocks, sizes in by_blocks.items())
+        if part.startswith("chunks"):
+            smallest = engine.batch_buckets[0]
+            return (f"batch {smallest}'s decodes of {DECODE_CHUNK}"
+                    f"{f' and up to {LONGEST_CHUNK}' if engine.programs[smallest].decode_long else ''} tokens a "
+                    f"dispatch{', unrolled' if smallest in engine.unrolled else ''}"
+                    f"{', dispatched ahead' if engine.dispatch_ahead else ''}")
+        return part + " (decode, inserts, the copies to and from the next smaller size)"
+
     def decode(self, batch):
         """Runs the batch's programs once each (compiled above): a first run can still cost, e.g. the
         device's memory for the cache."""
@@ -2412,22 +2431,12 @@ class WarmUp:
                 decoding.step(engine.length_buckets[0], DECODE_CHUNK)
             decoding.settle()
 
-    def adapter_calls(self):
-        """The slot update adapters are loaded with."""
-        slots = self.engine.adapters
-        return [] if slots is None else [("adapter slot update", slots._write, self.empty_slot())]
-
-    def empty_slot(self):
-        import jax
-        slots = self.engine.adapters
-        return slots.tables, np.int32(0), slots.put(jax.tree.map(lambda t: np.zeros(t.shape[1:], t.dtype), slots.tables))
-
     def adapter_slots(self):
         slots = self.engine.adapters
         if slots is None:
             return
         import jax  # run once, on a copy (the tables stay)
-        jax.block_until_ready(slots._write(*self.empty_slot()))
+        jax.block_until_ready(slots._write(*self.calls.empty_slot()))
         log(f"warm-up: {slots.max_adapters} adapter slots of rank {slots.max_rank} on "
             f"{','.join(slots.modules)}: {slots.slot_bytes / 2**20:,.1f} MiB each")
 
