@@ -23,6 +23,7 @@ import collections
 import collections.abc
 import contextlib
 import errno
+import faulthandler
 import functools
 import hashlib
 import hmac
@@ -4983,6 +4984,8 @@ def load(server):
 
 def main(argv=None):
     keep_unused_imports_out()  # before anything imports keras-hub
+    # `kill -USR1 <pid>` prints every thread's stack to stderr: what a server that hangs is waiting on.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     sys.modules.setdefault("matplotlib", None)  # Keras imports pyplot when it is installed; nothing here draws
     args = parse_args(argv)
     check_model_exists(args.model)
@@ -5003,7 +5006,8 @@ def main(argv=None):
     log(f"listening on {where(args)}; loading {args.model} (/health is 503 until ready)")
     loader = threading.Thread(target=load, args=(server,), daemon=True, name="loader")
     loader.start()
-    stop.wait()
+    while not stop.wait(0.5):
+        pass  # a wait with no timeout sleeps through a signal another thread took: Python runs handlers here
     with server.lock:
         failed = {"failed": 1, "unloadable": 2}.get(server.state, 0)
         server.state = "shutting_down"
@@ -5014,13 +5018,11 @@ def main(argv=None):
         time.sleep(0.05)
     httpd.server_close()
     log("stopped")
-    if loader.is_alive():
-        # Stopped mid-warm-up: finalising the interpreter while XLA compiles on the loader's thread aborts
-        # the process (seen on a TPU: "terminate called ...", SIGABRT, a core dump). Nothing is left to save.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(failed)
-    return failed
+    # Nothing is left to save, and finalising the interpreter with threads inside XLA can abort it (seen on a
+    # TPU mid-warm-up: "terminate called ...", SIGABRT, a core dump) or wait on them: leave without it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(failed)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -265,6 +266,16 @@ class ServerProcess:
         prefix = name + (f"{{{labels}}} " if labels else " ")
         values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(prefix)]
         return values[0] if values or not labels else 0.0
+
+    def exit_code(self, timeout=60):
+        """The status it exits with; if it has not exited after `timeout` s, fails with its output and
+        the stack of each of its threads (serve.py prints them on SIGUSR1)."""
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.send_signal(signal.SIGUSR1)
+            time.sleep(2)
+            raise AssertionError(f"serve.py did not exit within {timeout}s:\n{self.output()}") from None
 
     def stop(self):
         if self.process.poll() is None:

@@ -204,7 +204,7 @@ def test_a_sigterm_during_warm_up_exits_cleanly(trained_model, start_server):
     while "warm-up" not in server.output() and "model:" not in server.output() and time.time() < deadline:
         time.sleep(0.05)
     server.process.terminate()
-    assert server.process.wait(60) == 0
+    assert server.exit_code() == 0
     output = server.output()
     assert "stopped" in output and "ready on" not in output and "Traceback" not in output
 

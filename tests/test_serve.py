@@ -251,6 +251,16 @@ def test_full_queue_answers_503_with_retry_after(trained_model, start_server):
     assert good_request_works(server)
 
 
+def test_sigusr1_logs_every_threads_stack_and_the_server_goes_on(server):
+    server.process.send_signal(signal.SIGUSR1)
+    deadline = time.time() + 30
+    while "most recent call first" not in server.output() and time.time() < deadline:
+        time.sleep(0.1)
+    dump = server.output().split("most recent call first", 1)[-1]
+    assert 'serve.py", line' in dump and "in run" in dump  # the model worker's loop, among the threads
+    assert good_request_works(server)
+
+
 def test_graceful_shutdown_finishes_in_flight_requests(trained_model, start_server):
     server = start_server(trained_model, "--length-buckets", "320", "--max-batch-size", "1")
     request = urllib.request.Request(
@@ -262,7 +272,7 @@ def test_graceful_shutdown_finishes_in_flight_requests(trained_model, start_serv
         server.process.send_signal(signal.SIGTERM)
         rest = response.read().decode()
     assert rest.rstrip().endswith("data: [DONE]")
-    assert server.process.wait(60) == 0
+    assert server.exit_code() == 0
     assert "shutting down" in server.output() and "stopped" in server.output()
 
 
