@@ -817,7 +817,9 @@ def grammar_tokenizer(tokenizer, vocabulary_size, stop_ids):
 
     class Vocabulary:  # the attributes and call llguidance.TokenizerWrapper reads
         eos_token_id, bos_token_id = min(stop_ids), tokenizer.start_token_id
-        tokens, special_token_ids = [], []
+
+        def __init__(self):
+            self.tokens, self.special_token_ids = [], []
 
         def __call__(self, text):
             return sp.encode(text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text)
@@ -833,8 +835,10 @@ def grammar_tokenizer(tokenizer, vocabulary_size, stop_ids):
         else:
             vocabulary.tokens.append(piece.piece.replace("\u2581", " ").encode())
     vocabulary.tokens += [b""] * (vocabulary_size - len(vocabulary.tokens))
-    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(vocabulary), n_vocab=vocabulary_size,
-                                  eos_token=sorted(stop_ids))
+    wrapper = llguidance.TokenizerWrapper(vocabulary)
+    table = llguidance.LLTokenizer(wrapper, n_vocab=vocabulary_size, eos_token=sorted(stop_ids))
+    wrapper.tokens = vocabulary.tokens = None  # copied into llguidance's table; Gemma's are 13 MiB of bytes objects
+    return table
 
 
 def read_prompt_template(model_dir, vocabulary):
@@ -3314,7 +3318,9 @@ class Server:
         self.in_flight = 0
         self.lock = threading.Lock()
         self.rng = random.Random(args.seed)  # seeds for requests that bring none
-        self.grammar_tokenizer = None  # llguidance's view of the vocabulary, for structured output
+        self.vocabulary = None  # (tokenizer, size, stop ids): what structured output's token table is built from
+        self.grammar_table = None  # llguidance's view of the vocabulary (see grammar_tokens)
+        self.grammar_lock = threading.Lock()
         self.grammars = collections.OrderedDict()  # grammar text -> compiled LLMatcher, least recently used first
         self.warm_up = None  # the WarmUp: what is still compiling after the server is ready
         self.started = time.time()
@@ -3327,6 +3333,21 @@ class Server:
             if self.state != "shutting_down":
                 self.state = state
             return self.state == state
+
+    def grammar_tokens(self):
+        """llguidance's view of the vocabulary (None: the tokenizer is not SentencePiece), built by the first
+        request that wants structured output: its table of every token, 80 MiB for Gemma's 262,144, is not
+        held by a server that never gets one. Its own lock: concurrent first requests build it once while
+        others go on."""
+        with self.grammar_lock:
+            if self.grammar_table is None and self.vocabulary is not None:
+                started = time.time()
+                self.grammar_table = grammar_tokenizer(*self.vocabulary)
+                release_freed_memory()  # the protobuf of every piece it was read from
+                if self.grammar_table is not None:
+                    log(f"structured output: llguidance's table of {self.vocabulary[1]:,} tokens built in "
+                        f"{time.time() - started:.1f}s, for the first request that wanted it")
+            return self.grammar_table
 
     def status(self):
         """The state, "failed" once the worker thread is gone: /health must not say ok while requests hang."""
@@ -4166,17 +4187,18 @@ def compiled_grammar(server, grammar):
     message for a schema, regex or grammar it cannot compile."""
     import llguidance
     kind, text = grammar
-    if server.grammar_tokenizer is None:
+    tokens = server.grammar_tokens()
+    if tokens is None:
         raise RequestError(400, "structured output needs a SentencePiece tokenizer, and this model has none")
     with server.lock:
         matcher = server.grammars.get(text)
         if matcher is not None:
             server.grammars.move_to_end(text)
             return matcher
-    error = llguidance.LLMatcher.validate_grammar(text, server.grammar_tokenizer)
+    error = llguidance.LLMatcher.validate_grammar(text, tokens)
     if error:
         raise RequestError(400, f"the {kind.replace('_', ' ')} cannot be compiled: {error.strip()[:500]}")
-    matcher = llguidance.LLMatcher(server.grammar_tokenizer, text, log_level=0)
+    matcher = llguidance.LLMatcher(tokens, text, log_level=0)
     if matcher.is_error():
         raise RequestError(400, f"the {kind.replace('_', ' ')} cannot be compiled: {matcher.get_error()[:500]}")
     with server.lock:
@@ -4937,12 +4959,7 @@ def load(server):
         if server.adapters is not None:
             server.memory.held.append((f"{server.adapters.max_adapters} adapter slots",
                                        server.adapters.slot_bytes * server.adapters.max_adapters))
-        started = time.time()
-        server.grammar_tokenizer = grammar_tokenizer(model.preprocessor.tokenizer, engine.vocabulary_size,
-                                                     engine.stop_ids)
-        if server.grammar_tokenizer is not None:
-            log(f"structured output: llguidance token table of {engine.vocabulary_size:,} built in "
-                f"{time.time() - started:.1f}s")
+        server.vocabulary = (model.preprocessor.tokenizer, engine.vocabulary_size, engine.stop_ids)
         started = time.time()
         store = ProgramStore(programs, engine, prefetch) if programs else None
         server.warm_up = WarmUp(engine, store=store)

@@ -16,7 +16,8 @@ ms per step, eval loss after, peak RSS.
 
 The server as users run it (issue #35): `serve.py` with `--length-buckets 128 --max-batch-size 2`,
 float32 and int8, the prefix cache off and on, each started fresh, after its warm-up and one request:
-its RSS and the memory table it logs (where the RSS went, stage by stage); with --compare, the same
+its RSS and the memory table it logs (where the RSS went, stage by stage), then its RSS after a request
+for JSON (structured output's token table is built by the first that wants it); with --compare, the same
 for another serve.py (e.g. an older commit's, `git show 43dff77:serve.py > /tmp/old.py`) side by side.
 
     python3 scripts/bench_memory.py --restarts
@@ -179,12 +180,15 @@ def measure_server(serve_py, model_dir, flags, env, work, cache=""):
         with urllib.request.urlopen(url + "/metrics", timeout=60) as response:
             metrics = dict(line.split(" ", 1) for line in response.read().decode().splitlines()
                            if line.startswith("serve_") and " " in line)
+        request(url + "/v1/completions", {"prompt": "A river as JSON:", "max_tokens": 16, "temperature": 0,
+                                          "response_format": {"type": "json_object"}})
+        structured_rss = memory_mib(server.pid)["VmRSS"]
     finally:
         server.terminate()
         server.wait(60)
     table = [l.split(" ", 1)[1] for l in log_path.read_text().splitlines() if " memory: " in l]
     counters = {k: float(v) for k, v in metrics.items() if k.endswith("_total")}
-    return rss, table, answer["choices"][0]["text"], ready, complete, counters
+    return rss, table, answer["choices"][0]["text"], ready, complete, counters, structured_rss
 
 
 def servers(args, env):
@@ -193,16 +197,18 @@ def servers(args, env):
     rows = []
     for name, flags in SERVER_SETTINGS.items():
         for side, serve_py in sides:
-            rss, table, text, ready, complete, _ = measure_server(serve_py, args.model, flags, env, work)
-            rows.append((name, side, rss, text))
-            print(f"{name}, {side}: RSS {rss:,.0f} MiB after warm-up and one request; ready {ready:.1f}s after "
-                  f"launch, nothing left compiling after {complete:.1f}s; answer {text!r}", flush=True)
+            rss, table, text, ready, complete, _, structured = measure_server(serve_py, args.model, flags, env, work)
+            rows.append((name, side, rss, structured))
+            print(f"{name}, {side}: RSS {rss:,.0f} MiB after warm-up and one request, {structured:,.0f} after a "
+                  f"structured one; ready {ready:.1f}s after launch, nothing left compiling after {complete:.1f}s; "
+                  f"answer {text!r}", flush=True)
             for line in table:
                 print(f"    {line}", flush=True)
-    print("\n| setting | " + " | ".join(f"RSS MiB ({side})" for side, _ in sides) + " |\n|---|"
-          + "---|" * len(sides))
+    print("\n| setting | " + " | ".join(f"RSS MiB ({side}) | after a JSON request" for side, _ in sides)
+          + " |\n|---|" + "---|---|" * len(sides))
     for name in SERVER_SETTINGS:
-        print(f"| {name} | " + " | ".join(f"{rss:,.0f}" for n, _, rss, _ in rows if n == name) + " |")
+        print(f"| {name} | " + " | ".join(f"{rss:,.0f} | {structured:,.0f}" for n, _, rss, structured in rows
+                                          if n == name) + " |")
 
 
 def restarts(args, env):
@@ -216,7 +222,7 @@ def restarts(args, env):
         for start in ("cold", "program store", "XLA's cache"):  # on a CPU, XLA's cache hits are not stored
             if start == "XLA's cache":
                 shutil.rmtree(cache / "programs")
-            rss, _, text, ready, complete, metrics = measure_server(str(REPO / "serve.py"), args.model,
+            rss, _, text, ready, complete, metrics, _ = measure_server(str(REPO / "serve.py"), args.model,
                                                                     SERVER_SETTINGS[name], env, work, cache=str(cache))
             rows.append((name, start, ready, complete, rss, metrics.get("serve_compilations_total", 0),
                          metrics.get("serve_compile_cache_hits_total", 0), text))

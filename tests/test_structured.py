@@ -125,6 +125,21 @@ def test_constrained_and_free_rows_share_a_batch_and_each_answers_as_alone(serve
     jsonschema.validate(json.loads(together[0]["message"]["content"]), PERSON)
 
 
+def test_the_token_table_is_built_once_by_the_first_request_that_wants_it(tools_server):
+    """llguidance's table of every token costs memory (80 MiB for Gemma 3) that a server never asked for
+    structured output should not hold: it is built after the server is ready, once, however many first
+    requests arrive together."""
+    schemas = [{"type": "object", "properties": {f"k{i}": {"enum": [i]}}, "required": [f"k{i}"],
+                "additionalProperties": False} for i in range(4)]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        choices = list(pool.map(lambda schema: chat(tools_server, {"response_format": {
+            "type": "json_schema", "json_schema": {"name": "k", "schema": schema}}}), schemas))
+    assert [json.loads(c["message"]["content"]) for c in choices] == [{f"k{i}": i} for i in range(4)]
+    lines = tools_server.output().splitlines()
+    built = [i for i, line in enumerate(lines) if "structured output: llguidance's table" in line]
+    assert len(built) == 1 and built[0] > next(i for i, line in enumerate(lines) if " ready on " in line)
+
+
 @pytest.mark.parametrize("tool_choice, names", [("required", {"get_weather", "get_time"}),
                                                 ({"type": "function", "function": {"name": "get_time"}}, {"get_time"})])
 def test_forced_tool_calls_answer_with_tool_calls(tools_server, tool_choice, names):
