@@ -630,15 +630,19 @@ def on_cloud_tpu_vm():
     return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
-def keep_unused_imports_out():
+def keep_unused_imports_out(model=None):
     """keras-hub imports TensorFlow whenever it is installed, and this script never runs it: the model loads
     without its task's preprocessor and text goes through SentencePiece. Kept out, it costs no memory (about
     800 MiB of RSS, see BENCHMARKS.md) and cannot take the GPU's memory from JAX. keras imports IPython (and
     with it jedi and prompt_toolkit: 450 modules, 20 MiB) only to tell whether it runs in a notebook, which
-    a script started from the command line never does. A None in sys.modules makes such an import fail,
-    which keras and keras-hub take as "not installed"; a module already imported (a notebook's IPython)
-    stays."""
-    for name in ("tensorflow", "IPython"):
+    a script started from the command line never does. kagglehub (with kagglesdk: 280 modules, 14 MiB) only
+    downloads presets, which a `model` in a local directory or on hf:// never needs. A None in sys.modules
+    makes such an import fail, which keras and keras-hub take as "not installed"; a module already
+    imported (a notebook's IPython) stays."""
+    names = ["tensorflow", "IPython"]
+    if model is not None and (str(model).startswith("hf://") or Path(model).expanduser().is_dir()):
+        names.append("kagglehub")
+    for name in names:
         if name not in sys.modules:
             sys.modules[name] = None
 
@@ -1464,8 +1468,8 @@ def describe_steps(steps, buckets, accumulation):
 
 
 def main(argv=None):
-    keep_unused_imports_out()  # before anything imports keras-hub
     args = parse_args(argv)
+    keep_unused_imports_out(args.model)  # before anything imports keras-hub
     started = time.time()
     setup_runtime(args)
     if args.export_only:

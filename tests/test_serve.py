@@ -287,6 +287,19 @@ def test_help_describes_every_flag():
     assert "gemma-2b-dolly-lora" in out and "0.0.0.0" in out and "8080" in out
 
 
+@pytest.mark.parametrize("where, downloads", [("local", False), ("kaggle://google/gemma/keras/gemma_2b_en", True),
+                                              ("gemma_2b_en", True)])
+def test_kagglehub_is_imported_only_for_a_model_from_kaggle(trained_model, where, downloads):
+    """kagglehub only downloads presets: for a local model keras-hub imports without it (14 MiB of RSS), for a
+    Kaggle handle or a preset's name it is there to download."""
+    model = str(trained_model) if where == "local" else where
+    check = (f"import sys; sys.path.insert(0, {str(REPO)!r}); import serve; serve.keep_unused_imports_out({model!r}); "
+             "import keras_hub; from keras_hub.src.utils import preset_utils; "
+             "print('KAGGLEHUB', preset_utils.kagglehub is not None)")
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, env=script_env(), timeout=300)
+    assert f"KAGGLEHUB {downloads}" in result.stdout, result.stdout + result.stderr
+
+
 def test_the_server_runs_without_tensorflow(tiny_server, adapter_server):
     """TensorFlow is installed (train_local.py's keras-hub preprocessors use it) and keras-hub imports it
     whenever it can; serve.py keeps it out of its process (issue #35: hundreds of MiB of RSS). Our own
