@@ -1375,11 +1375,16 @@ def prefill_after_prefix(model, variables, adapters, values, row_cache, token_id
     return kv, jax.lax.dynamic_update_slice_in_dim(history, token_ids, start, axis=1)
 
 
-def empty_row(model, length):
-    """A one-row cache of `length` positions, zeros: where a prompt with no cached prefix is prefilled."""
+def zeros_of(shapes):
+    """Zeros of each leaf's shape and dtype: a batch's new cache, or an empty row."""
     import jax
     import jax.numpy as jnp
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), cache_shapes(model, 1, length))
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def empty_row(model, length):
+    """A one-row cache of `length` positions, zeros: where a prompt with no cached prefix is prefilled."""
+    return zeros_of(cache_shapes(model, 1, length))
 
 
 def insert(axes, cache, row_cache, row):
@@ -1646,13 +1651,15 @@ def decode_until_done(model, variables, adapters, axes, unroll, values, cache, w
     cores, batch 1, 16 tokens: 18.7 -> 21.0 tokens/s). `limit` is an input, so the host can size it to the
     model's speed without compiling anything (Engine.long_limit); at a `limit` of 1 or DECODE_CHUNK it
     makes what decode_chunk does, grammar `masks` on the first token included, so the batch that has it
-    needs no decode_chunk at all (Engine.long_makes_chunks).
+    needs no decode_chunk at all (Engine.long_makes_chunks). `unroll` is there for decode_chunk's
+    signature: the one step an iteration makes is traced unrolled (a scan of one step is a loop in the
+    loop, which copies the cache at its edges: 10-16% slower).
     -> ((tokens, log-probabilities) per step, the number of steps made), cache."""
     import jax
     import jax.numpy as jnp
     view = by_row(window_view(axes, cache, window))
     values = lay_out_for_loops(variables, values)
-    shapes = jax.eval_shape(lambda: decode_steps(model, variables, adapters, unroll, values, view, window,
+    shapes = jax.eval_shape(lambda: decode_steps(model, variables, adapters, True, values, view, window,
                                                  jnp.arange(1), masks, tokens, positions, tables, slots,
                                                  sampling, laid_out=True)[1])
     outputs = jax.tree.map(lambda s: jnp.zeros((steps,) + s.shape[1:], s.dtype), shapes)
@@ -1940,6 +1947,7 @@ class Engine:
         if prefix_blocks and any(length % block_tokens for length in length_buckets):
             raise LoadError(f"--prefix-block-tokens {block_tokens} must divide every --length-buckets length")
         self.prefix = PrefixPool(self, prefix_blocks, block_tokens, rows) if prefix_blocks else None
+        self.prefills = Prefills(self)
 
     def cache_layout(self, batch):
         """(abstract shapes, device layout or None) of a batch's cache."""
@@ -1953,10 +1961,9 @@ class Engine:
         The cache's layout (and next_tokens' split over the batch) is pinned so that what one program hands
         back is exactly what the next was compiled for."""
         import jax
-        import jax.numpy as jnp
         shapes, layout = self.cache_layout(batch)
         at = self.batch_buckets.index(batch)
-        new_cache = Program(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), out_shardings=layout)
+        new_cache = Program(functools.partial(zeros_of, shapes), out_shardings=layout)
 
         rows = None if self.distribution is None else self.distribution.get_data_layout((batch,)).backend_layout
         # A chunk's tokens [steps, batch] split as the rows are: next_tokens reads them, and the warm-up
@@ -2043,44 +2050,11 @@ class Engine:
             tokens[row, :len(ids)] = ids
         return self.feed(tokens, replicated=True)
 
-    def prefix_keys(self, generation):
-        """The prefix-cache key chain of a generation's prompt ([] without a prefix cache)."""
-        return [] if self.prefix is None else self.prefix.keys_of(generation)
-
-    def match_prefix(self, generation, keys):
-        """PrefixPool.reuse: ([], 0) without a prefix cache."""
-        return ([], 0) if self.prefix is None else self.prefix.reuse(generation, keys)
-
-    def compute_row(self, generation, reused, start):
-        """The cache row of a prompt, of the window that holds its block: the `reused` pool blocks copied and
-        the rest computed after them, or all of it computed in an empty row."""
-        ids = generation.prompt_ids
-        suffix = self.block_for(len(ids) - start)
-        window = self.window_for(start + suffix)
-        row = self.prefix.gather(reused, window) if start else self._empty_row(window)
-        return self._prefill(self.values, row, self.tokens([ids[start:]], suffix), np.int32(start), self.lora_tables,
-                             np.int32(generation.slot))
-
     @property
     def row_lengths(self):
         """The lengths of the one-row caches prefills make, which batches insert and the pool stores: a
         window's (a lone prompt's) and a block's of group_blocks (a group's)."""
         return sorted(set(self.length_buckets) | set(self.group_blocks))
-
-    def store_prefix(self, generation, keys, start, row):
-        if self.prefix is not None:
-            self.prefix.store(generation, keys, start, row)
-
-    def prefill_row(self, generation, keys=None):
-        """The cache row of a generation's prompt: its longest cached prefix copied from the pool and the
-        rest computed after it, or all of it computed. The prompt's new full blocks go into the pool,
-        held (with the ones it reused) until the generation ends. `keys`: its prefix_keys, when already
-        known. Returns (row cache, cached tokens)."""
-        keys = self.prefix_keys(generation) if keys is None else keys
-        reused, start = self.match_prefix(generation, keys)
-        row = self.compute_row(generation, reused, start)
-        self.store_prefix(generation, keys, start, row)
-        return row, start
 
     def group_sizes_for(self, block):
         return [size for size in self.group_sizes if block <= self.group_limits.get(size, 0)]
@@ -2089,53 +2063,6 @@ class Engine:
     def group_blocks(self):
         """Each prompt block that has groups, and their sizes."""
         return {block: sizes for block in self.prompt_blocks if (sizes := self.group_sizes_for(block))}
-
-    def prefill_rows(self, generations):
-        """prefill_row for each of `generations`, which arrived together. Prompts that reuse no cached
-        prefix and fit one of group_blocks (up to GROUP_BLOCK tokens; on a CPU GROUP_BLOCKS_CPU) are
-        prefilled in groups of one block length (prefill_group), the largest of the block's group sizes that
-        fits first. A prompt that shares its first block with an earlier one of these waits until that one is
-        in the pool, and reuses it."""
-        done, groups, after, firsts = {}, collections.defaultdict(list), [], set()
-        twins, copies = {}, []  # the n answers to one prompt: one prefill, its row copied into each
-        for generation in generations:
-            twin = twins.setdefault((tuple(generation.prompt_ids), generation.slot), generation)
-            if twin is not generation:
-                copies.append((generation, twin))
-                continue
-            keys = self.prefix_keys(generation)
-            if keys and keys[0] in firsts:
-                after.append((generation, keys))
-                continue
-            firsts.update(keys[:1])
-            reused, start = self.match_prefix(generation, keys)
-            block = self.block_for(len(generation.prompt_ids))
-            if not start and self.grouping and block in self.group_blocks:
-                groups[block].append((generation, keys))
-                continue
-            row = self.compute_row(generation, reused, start)
-            self.store_prefix(generation, keys, start, row)
-            done[id(generation)] = row, start
-        for block, waiting in groups.items():
-            while waiting:
-                size = max((s for s in self.group_sizes_for(block) if s <= len(waiting)), default=1)
-                group, waiting = waiting[:size], waiting[size:]
-                if size == 1:
-                    rows = [self.compute_row(group[0][0], [], 0)]
-                else:
-                    rows = self._prefill_group(self.values, self.tokens([g.prompt_ids for g, _ in group], block),
-                                               self.lora_tables, self.feed(np.array([g.slot for g, _ in group],
-                                                                                    np.int32), replicated=True))
-                    METRICS.add("prefill_groups")
-                    METRICS.add("grouped_prompts", size)
-                for (generation, keys), row in zip(group, rows):
-                    self.store_prefix(generation, keys, 0, row)
-                    done[id(generation)] = row, 0
-        for generation, keys in after:  # the blocks of the prompts above are in the pool now
-            done[id(generation)] = self.prefill_row(generation, keys)
-        for generation, twin in copies:
-            done[id(generation)] = done[id(twin)]
-        return [done[id(generation)] for generation in generations]
 
     def warm_up(self):
         """Compiles every program once, so requests never compile (see WarmUp); returns the WarmUp, which
@@ -2154,6 +2081,97 @@ class Engine:
             decoding.admit_all(taken)
             decoding.step(quiet=not waiting)
         return decoding
+
+
+class Prefills:
+    """How an Engine turns prompts into cache rows: a prompt's longest cached prefix copied from the
+    prefix-cache pool and the rest computed after it in its window's row, or all of it computed in an empty
+    row; prompts that arrive together and fit a group's block, computed in one dispatch. Each prompt's new
+    full blocks go into the pool, held (with the ones it reused) until its generation ends."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def keys(self, generation):
+        """The prefix-cache key chain of a generation's prompt ([] without a prefix cache)."""
+        prefix = self.engine.prefix
+        return [] if prefix is None else prefix.keys_of(generation)
+
+    def match(self, generation, keys):
+        """PrefixPool.reuse: ([], 0) without a prefix cache."""
+        prefix = self.engine.prefix
+        return ([], 0) if prefix is None else prefix.reuse(generation, keys)
+
+    def compute(self, generation, reused, start):
+        """The cache row of a prompt, of the window that holds its block: the `reused` pool blocks copied and
+        the rest computed after them, or all of it computed in an empty row."""
+        engine, ids = self.engine, generation.prompt_ids
+        suffix = engine.block_for(len(ids) - start)
+        window = engine.window_for(start + suffix)
+        row = engine.prefix.gather(reused, window) if start else engine._empty_row(window)
+        return engine._prefill(engine.values, row, engine.tokens([ids[start:]], suffix), np.int32(start),
+                               engine.lora_tables, np.int32(generation.slot))
+
+    def store(self, generation, keys, start, row):
+        if self.engine.prefix is not None:
+            self.engine.prefix.store(generation, keys, start, row)
+
+    def row(self, generation, keys=None):
+        """The cache row of one prompt and the number of its tokens that were cached. `keys`: its keys(),
+        when already known."""
+        keys = self.keys(generation) if keys is None else keys
+        reused, start = self.match(generation, keys)
+        row = self.compute(generation, reused, start)
+        self.store(generation, keys, start, row)
+        return row, start
+
+    def rows(self, generations):
+        """row() for each of `generations`, which arrived together. Prompts that reuse no cached prefix and
+        fit one of the engine's group_blocks (up to GROUP_BLOCK tokens; on a CPU GROUP_BLOCKS_CPU) are
+        prefilled in groups of one block length (prefill_group), the largest of the block's group sizes that
+        fits first. A prompt that shares its first block with an earlier one of these waits until that one is
+        in the pool, and reuses it."""
+        engine = self.engine
+        done, groups, after, firsts = {}, collections.defaultdict(list), [], set()
+        twins, copies = {}, []  # the n answers to one prompt: one prefill, its row copied into each
+        for generation in generations:
+            twin = twins.setdefault((tuple(generation.prompt_ids), generation.slot), generation)
+            if twin is not generation:
+                copies.append((generation, twin))
+                continue
+            keys = self.keys(generation)
+            if keys and keys[0] in firsts:
+                after.append((generation, keys))
+                continue
+            firsts.update(keys[:1])
+            reused, start = self.match(generation, keys)
+            block = engine.block_for(len(generation.prompt_ids))
+            if not start and engine.grouping and block in engine.group_blocks:
+                groups[block].append((generation, keys))
+                continue
+            row = self.compute(generation, reused, start)
+            self.store(generation, keys, start, row)
+            done[id(generation)] = row, start
+        for block, waiting in groups.items():
+            while waiting:
+                size = max((s for s in engine.group_sizes_for(block) if s <= len(waiting)), default=1)
+                group, waiting = waiting[:size], waiting[size:]
+                if size == 1:
+                    rows = [self.compute(group[0][0], [], 0)]
+                else:
+                    slots = engine.feed(np.array([g.slot for g, _ in group], np.int32), replicated=True)
+                    rows = engine._prefill_group(engine.values, engine.tokens([g.prompt_ids for g, _ in group], block),
+                                                 engine.lora_tables, slots)
+                    METRICS.add("prefill_groups")
+                    METRICS.add("grouped_prompts", size)
+                for (generation, keys), row in zip(group, rows):
+                    self.store(generation, keys, 0, row)
+                    done[id(generation)] = row, 0
+        for generation, keys in after:  # the blocks of the prompts above are in the pool now
+            done[id(generation)] = self.row(generation, keys)
+        for generation, twin in copies:
+            done[id(generation)] = done[id(twin)]
+        return [done[id(generation)] for generation in generations]
 
 
 def resize_cache(cache, index):
@@ -2351,7 +2369,9 @@ class WarmUp:
     def first(self):
         engine, started = self.engine, time.time()
         smallest = engine.batch_buckets[0]
-        engine.ready_batches, engine.grouping, engine.prefix, engine.chunked = [smallest], False, None, False
+        # Where the long decode makes the chunks, compiled here for its single tokens, they serve at once.
+        engine.ready_batches, engine.grouping, engine.prefix = [smallest], False, None
+        engine.chunked = engine.long_makes_chunks(smallest)
         self.pending = self.parts()
         calls = self.calls
         self.build.run(calls.prefill_calls() + calls.batch_calls(smallest, chunks=False) + calls.adapter_calls())
@@ -2359,7 +2379,7 @@ class WarmUp:
         self.decode(smallest)
         log(f"warm-up: batch {smallest}: decode over windows {','.join(map(str, engine.length_buckets))}"
             f" and prompt blocks {','.join(map(str, engine.prompt_blocks))} in {time.time() - started:.1f}s"
-            f" ({self.build.counts()}, a token a step for now)"
+            f" ({self.build.counts()}{'' if engine.chunked else ', a token a step for now'})"
             f"{'; still to compile: ' + ', '.join(self.pending) if self.pending else ''}")
         self.adapter_slots()
 
@@ -2367,7 +2387,8 @@ class WarmUp:
         """The parts in the order they are compiled and take effect: batch sizes in increasing order (a batch
         grows through each size on its way), then the prefix cache, then grouped prefills."""
         engine = self.engine
-        return ([f"chunks batch {engine.batch_buckets[0]}"] + [f"batch {batch}" for batch in engine.batch_buckets[1:]]
+        return (([] if engine.chunked else [f"chunks batch {engine.batch_buckets[0]}"])
+                + [f"batch {batch}" for batch in engine.batch_buckets[1:]]
                 + (["prefix cache"] if self.prefix else []) + (["grouped prefills"] if engine.group_sizes else []))
 
     def rest(self):
@@ -2885,7 +2906,7 @@ class DecodeBatch:
         self.admit_all([generation])
 
     def admit_all(self, generations):
-        """Prefills the prompts (together where they can be: Engine.prefill_rows) into free rows; a row's
+        """Prefills the prompts (together where they can be: Prefills.rows) into free rows; a row's
         first decode step re-reads its last prompt token."""
         rows = self.free_row_ids()[:len(generations)]
         assert len(rows) == len(generations), "more generations than free rows"
@@ -2895,7 +2916,7 @@ class DecodeBatch:
             self.taken.add(generation)
             generation.started = time.time()
             self.slots[row] = generation.slot
-        for row, generation, (row_cache, cached) in zip(rows, generations, self.engine.prefill_rows(generations)):
+        for row, generation, (row_cache, cached) in zip(rows, generations, self.engine.prefills.rows(generations)):
             generation.cached_tokens = cached
             self.cache = self.insert(self.cache, row_cache, np.int32(row))
             ids = generation.prompt_ids

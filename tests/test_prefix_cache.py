@@ -289,7 +289,7 @@ def test_a_cached_prefix_gives_the_same_cache_and_tokens_as_computing_it(engine)
     np.testing.assert_allclose([lp for _, lp, _ in again.token_logprobs], [lp for _, lp, _ in first.token_logprobs],
                                atol=1e-4)
     row = serve.Generation(prompt, 1, serve.SAMPLER_DEFAULTS["greedy"], 0, [], None)
-    cached_row, start = engine.prefill_row(row)
+    cached_row, start = engine.prefills.row(row)
     plain = plain_prefill(engine, prompt, 64)
     assert start == 32
     import jax
@@ -350,7 +350,7 @@ def test_a_group_prefills_what_each_prompt_gets_alone_and_a_shared_prefix_waits_
     sharing = first[:32] + list(range(1200, 1215))
     rows = [serve.Generation(p, 1, serve.SAMPLER_DEFAULTS["greedy"], 0, [], None) for p in (first, other, sharing)]
     with counting(engine, "_prefill_group") as groups:
-        caches = engine.prefill_rows(rows)
+        caches = engine.prefills.rows(rows)
     assert len(groups) == 1 and groups[0][1].shape == (2, 64)
     assert [start for _, start in caches] == [0, 0, 32]
     import jax

@@ -164,10 +164,10 @@ def test_a_failed_pool_store_leaves_a_fresh_pool_and_no_key_to_match(engine, mon
     monkeypatch.setattr(engine.prefix, "store_program", broken)
     g = serve.Generation(prompt, 2, GREEDY, 0, [], None)
     with pytest.raises(RuntimeError, match="injected"):
-        engine.prefill_row(g)
+        engine.prefills.row(g)
     serve.release_all([g])
     monkeypatch.undo()
-    assert engine.prefix.match(engine.prefix_keys(g)) == [] and engine.prefix.used() == 0
+    assert engine.prefix.match(engine.prefills.keys(g)) == [] and engine.prefix.used() == 0
     import jax
     assert all(not leaf.is_deleted() for leaf in jax.tree.leaves(engine.prefix.pool))
     first, again = (serve.Generation(prompt, 4, GREEDY, 0, [], None) for _ in range(2))
