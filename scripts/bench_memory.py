@@ -12,7 +12,7 @@ the same process (a jitted sum over 256 MiB). int8/int4 quantize a float32 load,
 Training, each setting: train_local.py with the demo's 40 steps (int8/int4: QLoRA, `--quantize`):
 ms per step, eval loss after, peak RSS.
 
-    python3 scripts/bench_memory.py --servers [--compare OLD_SERVE_PY]
+    python3 scripts/bench_memory.py --servers [--compare OLD_SERVE_PY] [--repeats N]
 
 The server as users run it (issue #35): `serve.py` with `--length-buckets 128 --max-batch-size 2`,
 float32 and int8, the prefix cache off and on, each started fresh, after its warm-up and one request:
@@ -27,9 +27,11 @@ cold, then from the program store, then with XLA's compilation cache alone (the 
 launch to ready and to nothing left compiling, RSS, compilations (issue #33).
 """
 import argparse
+import collections
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -51,6 +53,8 @@ def parse_args():
     p.add_argument("--restarts", action="store_true", help="serve.py cold, then from the program store, then "
                    "from XLA's cache alone (see above)")
     p.add_argument("--compare", default=None, metavar="OLD_SERVE_PY", help="with --servers: also this serve.py")
+    p.add_argument("--repeats", type=int, default=1, help="with --servers: runs of each server (the same serve.py "
+                   "reads 35-90 MiB apart from one run to the next); the table has their medians")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one serving setting, in its own process
     return p.parse_args()
 
@@ -194,21 +198,33 @@ def measure_server(serve_py, model_dir, flags, env, work, cache=""):
 def servers(args, env):
     work = Path(tempfile.mkdtemp(prefix="bench-memory-servers-"))
     sides = [("this serve.py", str(REPO / "serve.py"))] + ([("--compare", args.compare)] if args.compare else [])
-    rows = []
-    for name, flags in SERVER_SETTINGS.items():
-        for side, serve_py in sides:
-            rss, table, text, ready, complete, _, structured = measure_server(serve_py, args.model, flags, env, work)
-            rows.append((name, side, rss, structured))
-            print(f"{name}, {side}: RSS {rss:,.0f} MiB after warm-up and one request, {structured:,.0f} after a "
-                  f"structured one; ready {ready:.1f}s after launch, nothing left compiling after {complete:.1f}s; "
-                  f"answer {text!r}", flush=True)
-            for line in table:
-                print(f"    {line}", flush=True)
-    print("\n| setting | " + " | ".join(f"RSS MiB ({side}) | after a JSON request" for side, _ in sides)
+    rows = collections.defaultdict(list)  # (setting, side) -> [(RSS, RSS after a JSON request)] per repeat
+    for repeat in range(args.repeats):  # the sides alternate, so a slower or busier spell falls on both
+        for name, flags in SERVER_SETTINGS.items():
+            for side, serve_py in sides:
+                rss, table, text, ready, complete, _, structured = measure_server(serve_py, args.model, flags, env,
+                                                                                  work)
+                rows[name, side].append((rss, structured))
+                print(f"{name}, {side}: RSS {rss:,.0f} MiB after warm-up and one request, {structured:,.0f} after a "
+                      f"structured one; ready {ready:.1f}s after launch, nothing left compiling after {complete:.1f}s; "
+                      f"answer {text!r}", flush=True)
+                for line in table:
+                    print(f"    {line}", flush=True)
+
+    def cell(runs):
+        median = [statistics.median(run[i] for run in runs) for i in (0, 1)]
+        spread = "" if len(runs) == 1 else f" ({'/'.join(f'{rss:,.0f}' for rss, _ in runs)})"
+        return f"{median[0]:,.0f}{spread} | {median[1]:,.0f}"
+    print(f"\n{'Medians of ' + str(args.repeats) + ' runs, each run in brackets.' if args.repeats > 1 else ''}\n"
+          "| setting | " + " | ".join(f"RSS MiB ({side}) | after a JSON request" for side, _ in sides)
           + " |\n|---|" + "---|---|" * len(sides))
     for name in SERVER_SETTINGS:
-        print(f"| {name} | " + " | ".join(f"{rss:,.0f} | {structured:,.0f}" for n, _, rss, structured in rows
-                                          if n == name) + " |")
+        print(f"| {name} | " + " | ".join(cell(rows[name, side]) for side, _ in sides) + " |")
+    first, last = list(SERVER_SETTINGS)[1], list(SERVER_SETTINGS)[3]  # float32 and int8, prefix cache default
+    for side, _ in sides:
+        ratios = [i / f for (f, _), (i, _) in zip(rows[first, side], rows[last, side])]
+        print(f"int8 / float32, prefix cache default ({side}): {statistics.median(ratios):.3f}"
+              f"{'' if len(ratios) == 1 else ' (' + ', '.join(f'{r:.3f}' for r in ratios) + ')'}")
 
 
 def restarts(args, env):
