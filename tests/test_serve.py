@@ -287,11 +287,10 @@ def test_help_describes_every_flag():
     assert "gemma-2b-dolly-lora" in out and "0.0.0.0" in out and "8080" in out
 
 
-@pytest.mark.parametrize("where, downloads", [("local", False), ("kaggle://google/gemma/keras/gemma_2b_en", True),
-                                              ("gemma_2b_en", True)])
+@pytest.mark.parametrize("where, downloads", [("local", False), ("gemma_2b_en", True)])
 def test_kagglehub_is_imported_only_for_a_model_from_kaggle(trained_model, where, downloads):
     """kagglehub only downloads presets: for a local model keras-hub imports without it (14 MiB of RSS), for a
-    Kaggle handle or a preset's name it is there to download."""
+    preset's name (a Kaggle handle, as kaggle:// is) it is there to download."""
     model = str(trained_model) if where == "local" else where
     check = (f"import sys; sys.path.insert(0, {str(REPO)!r}); import serve; serve.keep_unused_imports_out({model!r}); "
              "import keras_hub; from keras_hub.src.utils import preset_utils; "
