@@ -1927,7 +1927,7 @@ class Engine:
         # per block, was the model's graph once more for each: Gemma 3 270M int8, 14,000 HLO instructions and
         # some 45 MiB of RSS apiece on a CPU), and at most a window's rows to insert and store.
         self._prefill = Program(bound(prefill_after_prefix, model, self.variables, adapters), out_shardings=rows)
-        self._empty_row = Program(functools.partial(empty_row, model), static_argnums=(0,), out_shardings=rows)
+        self._empty_row = Program(bound(empty_row, model), static_argnums=(0,), out_shardings=rows)
         self._prefill_group = Program(bound(prefill_group, model, self.variables, adapters), out_shardings=rows)
         self.group_sizes = [g for g in PREFILL_GROUPS if g <= batch_buckets[-1]]
         # The largest block each group size is formed in (group_blocks).
@@ -2342,12 +2342,13 @@ class WarmUp:
     length a pool write; with adapters, the slot update.
 
     first() compiles what the smallest batch needs to answer, a token a step (its one-token decodes,
-    inserts and prefills), and runs each of those programs once: the server can answer after it. rest()
-    compiles the other parts, each taking effect in the Engine only once all its programs exist (the
-    smallest batch's multi-token decodes, a batch size in batch_for, the prefix cache, grouped prefills),
-    so a request is never routed to a program that is not compiled; the server runs it on a background
-    thread. The multi-token decodes are the slowest programs to compile (unrolled, or a loop of chunks):
-    left out of first(), they no longer hold back the first answer."""
+    inserts and prefills; on a CPU its long decode, which makes its chunks too), and runs each of those
+    programs once: the server can answer after it. rest() compiles the other parts, each taking effect in
+    the Engine only once all its programs exist (the smallest batch's multi-token decodes where they are
+    programs of their own, a batch size in batch_for, the prefix cache, grouped prefills), so a request is
+    never routed to a program that is not compiled; the server runs it on a background thread. The
+    multi-token decodes are the slowest programs to compile (unrolled, or a loop of chunks): left out of
+    first(), they no longer hold back the first answer."""
 
     def __init__(self, engine, threads=None, store=None):
         self.engine = engine
@@ -3343,7 +3344,8 @@ class Server:
         self.in_flight = 0
         self.lock = threading.Lock()
         self.rng = random.Random(args.seed)  # seeds for requests that bring none
-        self.vocabulary = None  # (tokenizer, size, stop ids): what structured output's token table is built from
+        self.vocabulary = None  # (tokenizer, size, stop ids): what structured output's token table is built from,
+        # until it is (see grammar_tokens)
         self.grammar_table = None  # llguidance's view of the vocabulary (see grammar_tokens)
         self.grammar_lock = threading.Lock()
         self.grammars = collections.OrderedDict()  # grammar text -> compiled LLMatcher, least recently used first
@@ -3363,14 +3365,14 @@ class Server:
         """llguidance's view of the vocabulary (None: the tokenizer is not SentencePiece), built by the first
         request that wants structured output: its table of every token, 80 MiB for Gemma's 262,144, is not
         held by a server that never gets one. Its own lock: concurrent first requests build it once while
-        others go on."""
+        others go on. Tried once: `vocabulary` is dropped then, built or not."""
         with self.grammar_lock:
-            if self.grammar_table is None and self.vocabulary is not None:
-                started = time.time()
-                self.grammar_table = grammar_tokenizer(*self.vocabulary)
+            if self.vocabulary is not None:
+                started, size = time.time(), self.vocabulary[1]
+                self.grammar_table, self.vocabulary = grammar_tokenizer(*self.vocabulary), None
                 release_freed_memory()  # the protobuf of every piece it was read from
                 if self.grammar_table is not None:
-                    log(f"structured output: llguidance's table of {self.vocabulary[1]:,} tokens built in "
+                    log(f"structured output: llguidance's table of {size:,} tokens built in "
                         f"{time.time() - started:.1f}s, for the first request that wanted it")
             return self.grammar_table
 
