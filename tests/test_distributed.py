@@ -88,8 +88,7 @@ def completions(server):
 
 def test_serving_on_a_mesh_answers_like_one_device(runs, start_server):
     model_dir = runs["model"][0]
-    # A batch window long enough that the 4 concurrent requests below start together (prefilled as a group)
-    # even on a loaded machine.
+    # A batch window long enough that concurrent requests below usually start together.
     flags = ["--length-buckets", "64", "--max-batch-size", "4", "--batch-window-ms", "100"]
     one = start_server(model_dir, *flags)
     expected = completions(one)
@@ -105,8 +104,18 @@ def test_serving_on_a_mesh_answers_like_one_device(runs, start_server):
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             answers = list(pool.map(lambda body: http("POST", server.url + "/", body)[1]["completion"], greedy))
         assert answers[len(PROMPTS):] == expected[0::2], extra
-        assert server.metric("serve_compilations_total") == compiled, extra
+        # More requests than rows, each new (no cached prefix) and short (a group's block): those that wait
+        # for a row are admitted together when rows free up, whenever each arrived. When they arrive is up to
+        # the machine's load (CI once saw none of the 12 above admitted together), so a few bursts may be
+        # needed; one group is what this asserts.
+        for burst in range(4):
+            with concurrent.futures.ThreadPoolExecutor(8) as pool:
+                list(pool.map(lambda i: http("POST", server.url + "/", {"prompt": f"burst {burst} {i}",
+                                                                        "max_tokens": 12}), range(8)))
+            if server.metric("serve_prefill_groups_total") > 0:
+                break
         assert server.metric("serve_prefill_groups_total") > 0, extra  # requests admitted together
+        assert server.metric("serve_compilations_total") == compiled, extra
         assert "distribution:" in server.output()
         server.stop()
 

@@ -514,12 +514,13 @@ def decode_alone(engine, generation, steps=None, batch=1):
 def test_a_lone_request_in_long_chunks_gets_the_tokens_and_logprobs_of_short_ones(engine, sampling, seed):
     prompt = [engine.bos] + list(range(500, 520))
     short, long, chunks = (serve.Generation(prompt, 37, sampling, seed, [], None, logprobs=3) for _ in range(3))
-    # Batch 2's chunks are decode_chunk's; batch 1 makes its own DECODE_CHUNKs with its long decode, stopped
-    # after as many tokens.
+    # Batch 2's chunks are decode_chunk's. On a CPU batch 1 makes its own DECODE_CHUNKs with its long decode,
+    # stopped after as many tokens, and so stops on the last token a row needs; where chunks are dispatched
+    # ahead (a TPU or GPU) they are decode_chunk's too, which makes the whole chunk (Engine.long_makes_chunks).
     assert engine.programs[2].decode_long is None
     assert decode_alone(engine, short, serve.DECODE_CHUNK, batch=2) == [serve.DECODE_CHUNK] * 10
-    # It stops on the last token a row needs (decode_chunk, read by the host, makes the whole chunk).
-    assert decode_alone(engine, chunks, serve.DECODE_CHUNK) == [serve.DECODE_CHUNK] * 9 + [1]
+    last = 1 if engine.long_makes_chunks(1) else serve.DECODE_CHUNK
+    assert decode_alone(engine, chunks, serve.DECODE_CHUNK) == [serve.DECODE_CHUNK] * 9 + [last]
     # 37 tokens: two full long chunks, then one of the last 5 (a long dispatch makes a token at a time).
     assert decode_alone(engine, long) == [serve.LONG_CHUNK, serve.LONG_CHUNK, 5]
     for got in (long, chunks):
@@ -579,7 +580,8 @@ def test_streamed_and_waited_on_rows_keep_short_chunks(engine):
     prompt = [engine.bos] + list(range(700, 710))
     streamed = serve.Generation(prompt, 20, serve.SAMPLER_DEFAULTS["greedy"], 0, [], queue.Queue())
     first, *rest = decode_alone(engine, streamed)
-    assert first == 1 and rest == [serve.DECODE_CHUNK] * 4 + [3]  # the first token alone, as soon as it is made
+    last = 3 if engine.long_makes_chunks(1) else serve.DECODE_CHUNK  # as in the test above
+    assert first == 1 and rest == [serve.DECODE_CHUNK] * 4 + [last]  # the first token alone, as soon as it is made
     decoding = serve.DecodeBatch(engine, 1)
     waited_on = serve.Generation(prompt, 20, serve.SAMPLER_DEFAULTS["greedy"], 0, [], None)
     decoding.admit(waited_on)
