@@ -220,9 +220,9 @@ def servers(args, env):
           + " |\n|---|" + "---|---|" * len(sides))
     for name in SERVER_SETTINGS:
         print(f"| {name} | " + " | ".join(cell(rows[name, side]) for side, _ in sides) + " |")
-    first, last = list(SERVER_SETTINGS)[1], list(SERVER_SETTINGS)[3]  # float32 and int8, prefix cache default
     for side, _ in sides:
-        ratios = [i / f for (f, _), (i, _) in zip(rows[first, side], rows[last, side])]
+        ratios = [i / f for (f, _), (i, _) in zip(rows["float32, prefix cache default", side],
+                                                  rows["int8, prefix cache default", side])]
         print(f"int8 / float32, prefix cache default ({side}): {statistics.median(ratios):.3f}"
               f"{'' if len(ratios) == 1 else ' (' + ', '.join(f'{r:.3f}' for r in ratios) + ')'}")
 

@@ -196,6 +196,22 @@ def unix_url(socket_path):
     return UNIX_URL + urllib.parse.quote(str(socket_path), safe="")
 
 
+def burst_until_grouped(server, prompt, bursts=4, count=8, max_tokens=12):
+    """Sends `count` requests at once, more than the server's rows: those that wait for a row are admitted
+    together, whenever each arrived, and prefilled as a group. On a loaded machine each may arrive after the
+    one before has finished (CI once saw no group): then another burst, up to `bursts`. `prompt(burst, i)`:
+    a new prompt each time (a cached prefix is not grouped). Returns whether a group was prefilled."""
+    import concurrent.futures
+    groups = server.metric("serve_prefill_groups_total")
+    for burst in range(bursts):
+        with concurrent.futures.ThreadPoolExecutor(count) as pool:
+            list(pool.map(lambda i: http("POST", server.url + "/", {"prompt": prompt(burst, i),
+                                                                    "max_tokens": max_tokens}), range(count)))
+        if server.metric("serve_prefill_groups_total") > groups:
+            return True
+    return False
+
+
 def http(method, url, body=None, headers=None, timeout=120):
     """(status, parsed JSON or text, headers) for a request over TCP or, for an http+unix:// URL, a unix
     socket; never raises on HTTP errors."""

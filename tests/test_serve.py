@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from conftest import REPO, http, raw_request, script_env
+from conftest import REPO, burst_until_grouped, http, raw_request, script_env
 
 ARTICLE_PROMPT = "Instruction:\nExplain the difference between a GPU and a TPU.\n\nResponse:\n"
 
@@ -182,15 +182,7 @@ def test_no_compilation_after_warm_up(server):
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         list(pool.map(lambda b: post(server, b), requests * 3))
     post(server, {"prompt": "s", "max_tokens": 6, "stream": True}, path="/v1/completions")
-    groups = server.metric("serve_prefill_groups_total")
-    for burst in range(4):  # more than the 4 rows: those that wait are admitted together (on a loaded machine
-        # the requests may each arrive after the one before has finished: then another burst)
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            list(pool.map(lambda i: post(server, {"prompt": f"burst {burst} {i} " * (1 + i % 2 * 8),
-                                                  "max_tokens": 12}), range(8)))
-        if server.metric("serve_prefill_groups_total") > groups:
-            break
-    assert server.metric("serve_prefill_groups_total") > groups
+    assert burst_until_grouped(server, lambda burst, i: f"burst {burst} {i} " * (1 + i % 2 * 8))  # 8 for 4 rows
     # A prompt that only fits the largest bucket is prefilled in a block as long as the bucket.
     per_copy = post(server, {"prompt": ARTICLE_PROMPT, "max_tokens": 1})[1]["prompt_tokens"]
     status, answer, _ = post(server, {"prompt": ARTICLE_PROMPT * (290 // per_copy), "max_tokens": 1})
