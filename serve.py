@@ -223,8 +223,16 @@ def parse_args(argv=None):
     return args
 
 
+LOG_LOCK = threading.Lock()
+
+
 def log(message):
-    print(f"{time.strftime('%H:%M:%S')} {message}", flush=True)
+    """One line on stdout, written whole: print() writes the text and the newline apart, so two threads' lines
+    could join ("...finish=length08:23:23 POST ..."), which a log shipper drops or misreads."""
+    line = f"{time.strftime('%H:%M:%S')} {message}\n"
+    with LOG_LOCK:
+        sys.stdout.write(line)
+        sys.stdout.flush()
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -3076,12 +3084,16 @@ class DecodeBatch:
             step = max(neighbours) if size > batch.size else min(neighbours)
             kept = list(range(batch.size)) if step > batch.size else [
                 row for row, g in enumerate(batch.rows) if g is not None]
-            batch = batch.copied(step, kept)
+            try:
+                batch = batch.copied(step, kept)
+            except Exception as e:
+                raise ResizeFailed(batch) from e
         METRICS.add("batch_resizes")
         return batch
 
     def copied(self, size, kept):
-        """A batch of `size` whose row i is this batch's row kept[i] (rows past them free)."""
+        """A batch of `size` whose row i is this batch's row kept[i] (rows past them free). This batch is left
+        whole if it fails."""
         new = DecodeBatch(self.engine, size)
         index = np.array(kept + [0] * (size - len(kept)), np.int32)
         new.cache = self.engine.programs[self.size].resize[size](self.cache, index)
@@ -3093,6 +3105,14 @@ class DecodeBatch:
         new.rows[:len(kept)] = [self.rows[row] for row in kept]
         new.first_token_due, new.taken = self.first_token_due, self.taken
         return new
+
+
+class ResizeFailed(Exception):
+    """A batch could not be copied into one of another size; `batch` is the last one that holds the rows."""
+
+    def __init__(self, batch):
+        super().__init__("resize failed")
+        self.batch = batch
 
 
 # ----------------------------------------------------------------------------- scheduler
@@ -3189,6 +3209,10 @@ class QueueFull(Exception):
     pass
 
 
+class WorkerGone(Exception):
+    """The model worker's thread has stopped: nothing submitted now would ever be read."""
+
+
 class Worker:
     """One thread owns the model. Requests queue here and take rows of the decode batch at its next
     dispatch. When more wait than it has free rows, the batch grows in place to the size that holds
@@ -3200,7 +3224,8 @@ class Worker:
         self.queue = queue.Queue()  # from the HTTP threads
         self.waiting = collections.deque()  # the worker's own, in arrival order
         self.max_queue = max_queue
-        self.lock = threading.Lock()  # submit's check and put, as one
+        self.lock = threading.Lock()  # submit's check and put, as one; and the worker's last collect, as one
+        self.stopped = False  # set, under the lock, by a worker that is exiting: submit refuses from then on
         self.busy = 0
         self.batch = None  # the DecodeBatch running, if any
         self.thread = None
@@ -3211,13 +3236,15 @@ class Worker:
         self.thread.start()
 
     def alive(self):
-        return self.thread is not None and self.thread.is_alive()
+        return self.thread is not None and self.thread.is_alive() and not self.stopped
 
     def depth(self):
         return self.queue.qsize() + len(self.waiting)
 
     def submit(self, generations):
         with self.lock:  # concurrent handlers must not both pass the check and overshoot --max-queue
+            if not self.alive():
+                raise WorkerGone()
             if self.depth() + len(generations) > self.max_queue:
                 raise QueueFull()
             for g in generations:
@@ -3240,7 +3267,9 @@ class Worker:
                 self.run_batch()
         except BaseException as e:  # the worker is gone: /health says so, and nothing may wait on it
             log(f"error: the model worker stopped: {type(e).__name__}: {e}")
-            self.collect()
+            with self.lock:  # a submit either lands before this last collect or is refused after it
+                self.stopped = True
+                self.collect()
             for g in self.waiting:
                 g.finish("error")
             raise
@@ -3269,6 +3298,10 @@ class Worker:
                 for g in first:
                     self.waiting.remove(g)
                     g.finish("error")
+        except BaseException:  # the thread itself is ending (run() says why): its rows end with it
+            if self.batch is not None:
+                self.batch.fail("error")
+            raise
         finally:
             self.batch, self.busy = None, 0
 
@@ -3282,6 +3315,21 @@ class Worker:
             return target
         return None
 
+    def resize(self, target):
+        """The batch grown or shrunk to `target` rows. If the copy fails (the device out of memory for a larger
+        cache, say), the rows already running go on in the batch they had, and only the requests that were
+        waiting for the rows it would have made fail (the last to arrive; those its free rows hold are admitted)."""
+        self.batch.settle()  # a chunk that cannot be read is the whole batch's failure, as anywhere else
+        try:
+            self.batch = self.batch.resized(target)
+        except ResizeFailed as e:
+            self.batch = e.batch
+            doomed = max(0, len(self.waiting) - self.batch.free_rows)
+            log(f"error: the batch could not be resized to {target} rows: {type(e.__cause__).__name__}: "
+                f"{e.__cause__}; {doomed} waiting requests failed, the {self.batch.active} running go on")
+            for _ in range(doomed):
+                self.waiting.pop().finish("error")
+
     def decode(self):
         while True:
             self.collect()
@@ -3293,7 +3341,7 @@ class Worker:
                 return  # emptied (its clients left): what waits now gets a batch of its own size
             target = self.target_size()
             if target is not None:
-                self.batch = self.batch.resized(target)
+                self.resize(target)
             if self.waiting and self.batch.free_rows:
                 self.batch.admit_all([self.waiting.popleft()
                                       for _ in range(min(self.batch.free_rows, len(self.waiting)))])
@@ -4136,12 +4184,22 @@ def start_generations(server, req, prompts, body, default_max_tokens, events=Non
                                    code="model_not_found")
             g.slot = g.adapter.slot
             g.releases.append(functools.partial(server.adapters.release, g.adapter))
+    if len(gens) > args.max_queue:  # it would never fit, and a client that obeys Retry-After would retry forever
+        release_all(gens)
+        raise RequestError(400, f"this request asks for {len(gens)} generations ({len(prompts)} prompt"
+                                f"{'s' * (len(prompts) > 1)} x n={n}), more than the server ever queues at once "
+                                f"(--max-queue {args.max_queue}): send fewer, or restart the server with a larger "
+                                f"--max-queue")
     try:
         server.worker.submit(gens)
     except QueueFull:
         release_all(gens)
         raise RequestError(503, "server is busy: request queue is full", "overloaded_error",
                            {"Retry-After": "1"}) from None
+    except WorkerGone:
+        release_all(gens)
+        raise RequestError(503, "the model worker has stopped: this server cannot generate (see its log)",
+                           "server_error") from None
     req.watch(gens)  # a client that hangs up from here on has them cancelled
     return gens
 
@@ -4377,7 +4435,13 @@ def claim_socket_path(path):
         try:
             probe.connect(path)
         except (ConnectionRefusedError, FileNotFoundError):  # nobody listens: a crashed run's leftover
-            os.unlink(path)
+            try:
+                os.unlink(path)
+            except FileNotFoundError:  # another start removed it first
+                pass
+            except OSError as e:  # someone else's, in a folder that does not let us (a sticky /tmp)
+                raise BindError(f"--uds {path}: a stale socket file is there and cannot be removed "
+                                f"({e.strerror.lower() if e.strerror else e}); remove it or pick another path") from None
             return
         except OSError:
             pass  # cannot tell (no permission): say it is taken rather than remove someone else's socket
@@ -4415,6 +4479,7 @@ class Listener(ThreadingHTTPServer):
         self.deadlines = {}  # open connection -> when the reaper closes it; None while a request runs
         self.deadlines_lock = threading.Lock()
         self.uds = app.args.uds
+        self.socket_inode = None  # set once our bind made the file: a failed bind must leave any other alone
         if self.uds:
             claim_socket_path(self.uds)
             self.address_family = socket.AF_UNIX
@@ -4442,7 +4507,7 @@ class Listener(ThreadingHTTPServer):
     def server_close(self):
         super().server_close()
         with contextlib.suppress(OSError):  # only our own file: a later run may have replaced it
-            if self.uds and os.stat(self.uds).st_ino == self.socket_inode:
+            if self.uds and self.socket_inode is not None and os.stat(self.uds).st_ino == self.socket_inode:
                 os.unlink(self.uds)
 
     def get_request(self):
@@ -4535,28 +4600,41 @@ class Hangups:
 
     def run(self):
         while True:
-            if self.epoll:
-                fds = [fd for fd, _ in self.epoll.poll(0.5)]
-            else:
-                fds = [key.fd for key, _ in self.selector.select(timeout=0.5)]
-            for fd in fds:
-                with self.lock:
-                    connection, generations = self.watched.get(fd, (None, ()))
-                # Asked of the connection itself: the event may be a closed one's whose number is reused.
-                gone = None if connection is None else self.hung_up(connection)
-                if gone is None:
-                    continue
-                self.forget(connection)  # either way there is nothing more to learn from it
-                if gone:
-                    for g in generations:
-                        g.cancel()
+            try:
+                self.check()
+            except Exception as e:  # a thread that ends here would leave every later hang-up unseen
+                log(f"error: the hang-up watcher: {type(e).__name__}: {e} (it goes on)")
+                time.sleep(0.1)
+
+    def check(self):
+        """Waits up to half a second for hang-ups and cancels the generations of those seen."""
+        if self.epoll:
+            fds = [fd for fd, _ in self.epoll.poll(0.5)]
+        else:
+            fds = [key.fd for key, _ in self.selector.select(timeout=0.5)]
+        for fd in fds:
+            with self.lock:
+                connection, generations = self.watched.get(fd, (None, ()))
+            # Asked of the connection itself: the event may be a closed one's whose number is reused.
+            gone = None if connection is None else self.hung_up(connection)
+            if gone is None:
+                continue
+            self.forget(connection)  # either way there is nothing more to learn from it
+            if gone:
+                for g in generations:
+                    g.cancel()
 
     def hung_up(self, connection):
         """True if the client closed, half-closed or reset; None if not (or not yet known); False after
         pipelined bytes where only a peek can tell (then the connection is no longer watched)."""
+        if connection.fileno() < 0:  # its handler closed it after the lookup: the request is over, and its
+            return False  # generations with it, so there is nothing to cancel (and poll would raise)
         if self.epoll:
             check = select.poll()
-            check.register(connection, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+            try:
+                check.register(connection, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+            except (ValueError, OSError):  # closed between the check above and here
+                return False
             return True if check.poll(0) else None
         try:
             return connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""

@@ -237,3 +237,73 @@ def test_max_batch_size_auto_fills_the_device_memory_left_and_keeps_8_on_a_cpu(e
     args = serve.parse_args(["--model", "x"])
     assert args.max_batch_size is None  # auto: decided on the device
     assert serve.auto_batch_size(engine.model, args) == 8  # a CPU
+
+
+@pytest.mark.device
+def test_a_failed_growth_fails_only_the_newcomers_and_the_running_rows_go_on(engine, monkeypatch):
+    """The batch cannot be copied into a larger one (the device out of memory, say): the requests that were
+    waiting for those rows fail, the one already decoding ends as it would have alone, and nothing is held."""
+    alone = serve.Generation([engine.bos] + list(range(860, 870)), 40, GREEDY, 0, [], None)
+    engine.generate([alone], 1)
+    worker = run_worker(engine)
+    long = serve.Generation([engine.bos] + list(range(860, 870)), 40, GREEDY, 0, [], None)
+
+    def broken(*args):
+        raise RuntimeError("injected: no memory for a larger batch")
+    monkeypatch.setitem(engine.programs[1].resize, 2, broken)
+    worker.submit([long])
+    while len(long.ids) < 4:
+        time.sleep(0.001)
+    newcomers = [serve.Generation([engine.bos] + list(range(880 + i, 890 + i)), 5, GREEDY, 0, [], None)
+                 for i in range(3)]
+    worker.submit(newcomers)
+    assert all(g.done.wait(60) for g in newcomers + [long])
+    assert [g.finish_reason for g in newcomers] == ["error"] * 3
+    assert long.finish_reason == "length" and long.ids == alone.ids
+    assert wait_idle(worker) and worker.depth() == 0 and held_nothing(engine)
+    monkeypatch.undo()  # the batch grows again once it can
+    later = [serve.Generation([engine.bos] + list(range(900 + i, 910 + i)), 5, GREEDY, 0, [], None) for i in range(3)]
+    worker.submit(later)
+    assert all(g.done.wait(60) and g.finish_reason == "length" for g in later) and wait_idle(worker)
+
+
+def test_a_submit_racing_the_worker_s_exit_is_refused_not_lost():
+    """The worker thread dies (a bug, say). A submit that comes while it runs its last collect must either be
+    collected and failed there or refused at once: never queued where nothing reads it (its handler would
+    wait forever, and shutdown its whole timeout)."""
+    class Dying:
+        pass
+    worker = serve.Worker(Dying(), 4, 0.0, 10)
+    queued = serve.Generation([2, 3], 2, GREEDY, 0, [], None)
+    raced = serve.Generation([2, 4], 2, GREEDY, 0, [], None)
+    outcome, collect = [], worker.collect
+
+    def racing_collect():
+        if worker.stopped and not outcome:  # the exit's last collect: another thread submits right now
+            def submit():
+                try:
+                    worker.submit([raced])
+                    outcome.append("queued")
+                except serve.WorkerGone:
+                    outcome.append("refused")
+            racer = threading.Thread(target=submit)
+            racer.start()
+            racer.join(0.3)  # it must wait for the lock, or it has been queued behind this collect's back
+            outcome.append("blocked" if racer.is_alive() else "passed")
+        return collect()
+
+    def run_batch():
+        worker.waiting.append(worker.queue.get())
+        raise RuntimeError("injected: the worker's loop broke")
+    worker.collect, worker.run_batch = racing_collect, run_batch
+    worker.start()
+    worker.submit([queued])
+    worker.thread.join(10)
+    deadline = time.time() + 10
+    while len(outcome) < 2 and time.time() < deadline:
+        time.sleep(0.01)
+    assert outcome == ["blocked", "refused"]
+    assert queued.done.is_set() and queued.finish_reason == "error"
+    assert not worker.alive()
+    with pytest.raises(serve.WorkerGone):
+        worker.submit([serve.Generation([2, 5], 2, GREEDY, 0, [], None)])

@@ -245,6 +245,13 @@ def test_full_queue_answers_503_with_retry_after(trained_model, start_server):
     assert 200 in statuses and 503 in statuses
     rejected = next(r for r in results if r[0] == 503)
     assert rejected[2]["Retry-After"] and rejected[1]["error"]["type"] == "overloaded_error"
+    # A request that could never fit the queue, even on an idle server, is told so once: not a 503 to retry.
+    for path, body in (("/v1/completions", {"prompt": ["a", "b"], "max_tokens": 2}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2})):
+        status, answer, headers = post(server, body, path)
+        assert status == 400 and "Retry-After" not in headers, answer
+        assert "--max-queue 1" in answer["error"]["message"] and "2 generations" in answer["error"]["message"]
+    assert server.metric("serve_queue_depth") == 0
     assert good_request_works(server)
 
 

@@ -214,3 +214,77 @@ def test_max_connections_is_enforced_without_a_thread(trained_model, start_serve
     else:
         raise AssertionError("no connection accepted after the held ones closed")
     assert server.metric("serve_refused_connections_total") >= 1
+
+
+def test_the_hangup_watcher_survives_a_connection_closed_under_it(monkeypatch):
+    """Its handler closes a connection between the watcher's lookup and its check (fileno() is then -1, and
+    poll.register raised ValueError, which ended the thread): the watcher goes on and sees later hang-ups."""
+    import serve
+    hangups = serve.Hangups()
+    hung_up, injected = hangups.hung_up, []
+
+    def closing_first(connection):
+        if not injected:
+            injected.append(connection)
+            connection.close()  # what the handler does, in the window
+        return hung_up(connection)
+    monkeypatch.setattr(hangups, "hung_up", closing_first)
+    first_ours, first_theirs = socket.socketpair()
+    first = serve.Generation([2, 3], 5, serve.SAMPLER_DEFAULTS["greedy"], 0, [], None)
+    hangups.watch(first_ours, [first])
+    first_theirs.close()
+    deadline = time.time() + 10
+    while not injected and time.time() < deadline:
+        time.sleep(0.01)
+    assert injected
+    ours, theirs = socket.socketpair()
+    later = serve.Generation([2, 3], 5, serve.SAMPLER_DEFAULTS["greedy"], 0, [], None)
+    hangups.watch(ours, [later])
+    theirs.close()
+    while not later.cancelled and time.time() < deadline:
+        time.sleep(0.01)
+    assert later.cancelled and not first.cancelled
+    assert first_ours not in [c for c, _ in hangups.watched.values()]
+    ours.close()
+
+
+def test_log_lines_are_written_whole_from_many_threads(monkeypatch):
+    import serve
+
+    class Recorder:
+        def __init__(self):
+            self.writes = []
+
+        def write(self, text):
+            self.writes.append(text)
+            time.sleep(0)  # let another thread in between two writes, if there are two
+
+        def flush(self):
+            pass
+    recorder = Recorder()
+    monkeypatch.setattr(serve.sys, "stdout", recorder)
+    threads = [threading.Thread(target=lambda i=i: [serve.log(f"thread {i} line {j}") for j in range(200)])
+               for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(recorder.writes) == 16 * 200
+    assert all(re.fullmatch(r"\d\d:\d\d:\d\d thread \d+ line \d+\n", w) for w in recorder.writes)
+
+
+def test_no_two_log_lines_join_under_96_concurrent_clients(server):
+    start = threading.Barrier(96)
+
+    def client(i):
+        start.wait()
+        return post_raw(server.port, {"prompt": f"Log line {i}", "max_tokens": 3})[0]
+    with concurrent.futures.ThreadPoolExecutor(96) as pool:
+        statuses = list(pool.map(client, range(96)))
+    assert set(statuses) <= {200, 503} and 200 in statuses
+    lines = server.output().splitlines()
+    requests = [line for line in lines if " POST / " in line]
+    assert len(requests) >= statuses.count(200)
+    # Each request line is one line: a timestamp, one request, and nothing joined after its finish reasons.
+    assert all(re.fullmatch(r"\d\d:\d\d:\d\d POST / \d{3} \d+ms id=\S+( prompt=.* finish=[a-z,]+)?", line)
+               for line in requests), [line for line in requests if line.count("POST") > 1][:3]

@@ -136,12 +136,13 @@ def test_an_idle_connection_is_closed(server):
         assert 1.5 < time.time() - started < 8
 
 
-def serve_fails(*args, inject=None):
+def serve_fails(*args, inject=None, before=""):
     """Runs serve.py expecting it not to listen: (exit code, stderr). `inject`, an errno name, makes the
-    socket's bind raise it, for the failures this machine cannot produce (it runs tests as root)."""
+    socket's bind raise it, for the failures this machine cannot produce (it runs tests as root); `before`:
+    more Python to run first (another injection)."""
     code = (f"import errno, runpy, socket, sys\n"
             f"def bind(self, address): raise OSError(errno.{inject}, 'injected')\n"
-            f"socket.socket.bind = bind\n" if inject else "import runpy, sys\n")
+            f"socket.socket.bind = bind\n" if inject else "import runpy, sys\n") + before
     code += f"sys.argv = ['serve.py'] + {list(map(str, args))!r}\nrunpy.run_path({str(REPO / 'serve.py')!r}, " \
             "run_name='__main__')\n"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=script_env(),
@@ -196,3 +197,33 @@ def test_shutdown_removes_the_socket_file(server):
     server.process.send_signal(signal.SIGTERM)
     assert server.exit_code() == 0
     assert not os.path.exists(server.uds)
+
+
+def test_a_socket_taken_between_the_check_and_the_bind_is_one_line(trained_model, socket_dir):
+    """Another process binds the path after claim_socket_path found it free: the bind's error, in one line
+    (socketserver's clean-up once read an inode never set, and its AttributeError replaced it)."""
+    path = socket_dir / "raced.sock"
+    race = ("import errno, socket\nreal_bind = socket.socket.bind\n"
+            "def bind(self, address):\n"
+            "    if isinstance(address, str):  # the other process wins the path first\n"
+            "        other = socket.socket(socket.AF_UNIX)\n"
+            "        real_bind(other, address)\n"
+            "        other.listen()\n"
+            "        raise OSError(errno.EADDRINUSE, 'Address already in use')\n"
+            "    return real_bind(self, address)\n"
+            "socket.socket.bind = bind\n")
+    assert_one_line(*serve_fails("--model", trained_model, "--uds", path, before=race), "in use")
+    assert stat.S_ISSOCK(os.lstat(path).st_mode)  # the other's socket is left alone
+
+
+def test_a_stale_socket_that_cannot_be_removed_is_one_line(trained_model, socket_dir):
+    """Someone else's leftover socket in a sticky folder: unlinking it is refused, and the user is told."""
+    path = socket_dir / "theirs.sock"
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(path))
+    stale.close()
+    refuse = "import os\ndef unlink(path, *a, **k): raise PermissionError(1, 'Operation not permitted')\n" \
+             "os.unlink = unlink\n"
+    code, stderr = serve_fails("--model", trained_model, "--uds", path, before=refuse)
+    assert_one_line(code, stderr, "cannot be removed", "not permitted")
+    assert stat.S_ISSOCK(os.lstat(path).st_mode)
