@@ -3270,8 +3270,8 @@ class Worker:
             with self.lock:  # a submit either lands before this last collect or is refused after it
                 self.stopped = True
                 self.collect()
-            for g in self.waiting:
-                g.finish("error")
+            while self.waiting:
+                self.waiting.popleft().finish("error")
             raise
 
     def run_batch(self):

@@ -304,6 +304,6 @@ def test_a_submit_racing_the_worker_s_exit_is_refused_not_lost():
         time.sleep(0.01)
     assert outcome == ["blocked", "refused"]
     assert queued.done.is_set() and queued.finish_reason == "error"
-    assert not worker.alive()
+    assert not worker.alive() and worker.depth() == 0
     with pytest.raises(serve.WorkerGone):
         worker.submit([serve.Generation([2, 5], 2, GREEDY, 0, [], None)])
