@@ -372,10 +372,143 @@ class Metrics:
                 labels = ",".join(f'{k}="{v}"' for k, v in sorted(self.weights.items()))
                 lines += ["# HELP serve_model_info The served model's dtype and quantization.",
                           "# TYPE serve_model_info gauge", f"serve_model_info{{{labels}}} 1"]
-            return "\n".join(lines) + "\n"
+        return "\n".join(lines + WORKER_CLOCK.render() + TIMELINE.render()) + "\n"
 
 
 METRICS = Metrics()
+
+
+# Where the model worker's time goes, and the device's (issue #48): the worker's wall time split into parts
+# that add up to it, and each dispatch's device time learned from when its outputs are ready. Together they
+# say which side is the wall under load: a device idle between a batch's dispatches waits for the host.
+WORKER_PARTS = {
+    "idle": "waiting for requests, no batch running",
+    "admit": "admitting: prefill, pool and insert dispatches, row settings",
+    "resize": "growing or shrinking the batch",
+    "dispatch": "preparing and dispatching decode chunks",
+    "read": "blocked on the device, reading a chunk's tokens",
+    "settle": "handing each row its tokens: stops, text, log-probabilities, stream events",
+    "grammar": "structured output's token masks",
+    "other": "the loop's own bookkeeping: the queue, cancellations, batch sizes",
+}
+TIMED_PROGRAMS = ("decode", "decode_long", "prefill", "prefill_group")  # whose device time is learned
+COUNTED_PROGRAMS = TIMED_PROGRAMS + ("insert", "pool_store", "pool_gather", "resize")
+
+
+class PartClock:
+    """One thread's wall time, part by part: every moment counts in exactly one of WORKER_PARTS (a part
+    entered inside another pauses it), so the parts add up to the time since start(). Only the thread that
+    started it is timed: the warm-up's and the tests' own calls of the same code are not."""
+
+    def __init__(self):
+        self.seconds = dict.fromkeys(WORKER_PARTS, 0.0)  # every key from the start: render() copies it unlocked
+        self.current, self.since, self.owner = "other", None, None
+
+    def start(self, part="other"):
+        self.owner, self.current, self.since = threading.get_ident(), part, time.perf_counter()
+
+    def switch(self, part):
+        """Enters `part`; returns the part it leaves (for the caller to go back to)."""
+        if threading.get_ident() != self.owner:
+            return part
+        now = time.perf_counter()
+        self.seconds[self.current] += now - self.since
+        previous, self.current, self.since = self.current, part, now
+        return previous
+
+    @contextlib.contextmanager
+    def part(self, name):
+        previous = self.switch(name)
+        try:
+            yield
+        finally:
+            self.switch(previous)
+
+    def totals(self):
+        seconds, current, since = dict(self.seconds), self.current, self.since
+        if since is not None:
+            seconds[current] += time.perf_counter() - since
+        return seconds
+
+    def render(self):
+        return ["# HELP serve_worker_seconds_total The model worker's wall time by what it did; the parts add up "
+                "to its time since it started.", "# TYPE serve_worker_seconds_total counter"] + [
+            f'serve_worker_seconds_total{{part="{part}"}} {seconds:.6f}' for part, seconds in self.totals().items()]
+
+
+class DeviceTimeline:
+    """The device's time, dispatch by dispatch, without a profiler: the worker hands each decode and prefill
+    dispatch's outputs here, and a thread waits for them in dispatch order. A dispatch ran from when it was
+    dispatched or the one before finished, whichever is later, to when its outputs are ready; a gap between
+    the one before finishing and the next being dispatched, inside one batch's run, is the device idle while
+    the host works. The copies that are not timed (inserts, pool writes, resizes: their outputs are donated
+    to the next program) fall into the next timed dispatch. Prefills dispatched while other rows were
+    decoding stall them by their whole device time (serve_prefill_stall_seconds_total)."""
+
+    def __init__(self):
+        self.queue = queue.Queue()
+        self.busy, self.dispatches = dict.fromkeys(TIMED_PROGRAMS, 0.0), dict.fromkeys(COUNTED_PROGRAMS, 0)
+        self.idle = self.stall = 0.0
+        self.stalling = False  # set by the worker while it admits into a batch whose other rows are decoding
+        self.run_id = 0  # bumped by the worker at each batch's start: the gaps between batches are no one's
+        self.owner = None
+        self.thread = None
+
+    def start(self):
+        self.owner = threading.get_ident()
+        if self.thread is None:
+            self.thread = threading.Thread(target=self.run, daemon=True, name="device-timeline")
+            self.thread.start()
+
+    def new_run(self):
+        self.run_id += 1
+
+    def dispatched(self, program, outputs=None):
+        """Counts a dispatch of the worker's, and times it on the device when `outputs` are given."""
+        if threading.get_ident() != self.owner:
+            return
+        self.dispatches[program] += 1
+        if outputs is not None:
+            stalls = self.stalling and program.startswith("prefill")
+            self.queue.put((program, time.perf_counter(), outputs, stalls, self.run_id))
+
+    def run(self):
+        import jax
+        last_done, last_run = None, None
+        while True:
+            program, at, outputs, stalls, run = self.queue.get()
+            try:
+                jax.block_until_ready(outputs)
+            except Exception:  # the worker learns of a failed dispatch when it reads it; here it just ends
+                pass
+            done = time.perf_counter()
+            same_run = last_done is not None and run == last_run
+            if same_run and at > last_done:
+                self.idle += at - last_done
+            began = max(at, last_done) if same_run else at
+            self.busy[program] += done - began
+            if stalls:
+                self.stall += done - began
+            last_done, last_run = done, run
+            del outputs
+
+    def render(self):
+        lines = ["# HELP serve_dispatches_total Programs the model worker dispatched to the device, by kind.",
+                 "# TYPE serve_dispatches_total counter"]
+        lines += [f'serve_dispatches_total{{program="{p}"}} {n}' for p, n in self.dispatches.items()]
+        lines += ["# HELP serve_device_busy_seconds_total Device time of the worker's dispatches, by program (the "
+                  "untimed copies before one are in it).", "# TYPE serve_device_busy_seconds_total counter"]
+        lines += [f'serve_device_busy_seconds_total{{program="{p}"}} {s:.6f}' for p, s in self.busy.items()]
+        return lines + [
+            "# HELP serve_device_idle_seconds_total Time the device waited for the host between two dispatches of "
+            "one batch: the host was the wall.", "# TYPE serve_device_idle_seconds_total counter",
+            f"serve_device_idle_seconds_total {self.idle:.6f}",
+            "# HELP serve_prefill_stall_seconds_total Device time of prefills dispatched while other rows were "
+            "decoding: the decode time they stalled.", "# TYPE serve_prefill_stall_seconds_total counter",
+            f"serve_prefill_stall_seconds_total {self.stall:.6f}"]
+
+
+WORKER_CLOCK, TIMELINE = PartClock(), DeviceTimeline()
 
 
 def label(value):
@@ -1837,6 +1970,7 @@ class PrefixPool(PrefixCache):
 
     def gather(self, reused, window):
         """A one-row cache of `window` positions starting with the `reused` blocks."""
+        TIMELINE.dispatched("pool_gather")
         return self.gather_program(self.pool, np.array(
             reused + [self.scratch] * (window // self.block_tokens - len(reused)), np.int32))
 
@@ -1853,6 +1987,7 @@ class PrefixPool(PrefixCache):
             sources[:len(written)], targets[:len(written)] = zip(*written)
             try:
                 self.pool = self.store_program(self.pool, row, sources, targets)
+                TIMELINE.dispatched("pool_store")
             except BaseException:
                 # The store donates the pool: whatever failed, its buffer may be gone. A fresh pool, and no
                 # key left to match a block that is not in it.
@@ -2117,8 +2252,10 @@ class Prefills:
         suffix = engine.block_for(len(ids) - start)
         window = engine.window_for(start + suffix)
         row = engine.prefix.gather(reused, window) if start else engine._empty_row(window)
-        return engine._prefill(engine.values, row, engine.tokens([ids[start:]], suffix), np.int32(start),
-                               engine.lora_tables, np.int32(generation.slot))
+        row = engine._prefill(engine.values, row, engine.tokens([ids[start:]], suffix), np.int32(start),
+                              engine.lora_tables, np.int32(generation.slot))
+        TIMELINE.dispatched("prefill", row)
+        return row
 
     def store(self, generation, keys, start, row):
         if self.engine.prefix is not None:
@@ -2170,6 +2307,7 @@ class Prefills:
                     slots = engine.feed(np.array([g.slot for g, _ in group], np.int32), replicated=True)
                     rows = engine._prefill_group(engine.values, engine.tokens([g.prompt_ids for g, _ in group], block),
                                                  engine.lora_tables, slots)
+                    TIMELINE.dispatched("prefill_group", rows)
                     METRICS.add("prefill_groups")
                     METRICS.add("grouped_prompts", size)
                 for (generation, keys), row in zip(group, rows):
@@ -2919,6 +3057,7 @@ class DecodeBatch:
         first decode step re-reads its last prompt token."""
         rows = self.free_row_ids()[:len(generations)]
         assert len(rows) == len(generations), "more generations than free rows"
+        TIMELINE.stalling = self.active > len(self.ending_rows())  # rows that go on decoding wait for these prefills
         self.taken = {g for g in self.taken if g.finish_reason is None}
         for row, generation in zip(rows, generations):
             self.rows[row] = generation  # held by the batch from here: a failure below finishes it
@@ -2928,6 +3067,7 @@ class DecodeBatch:
         for row, generation, (row_cache, cached) in zip(rows, generations, self.engine.prefills.rows(generations)):
             generation.cached_tokens = cached
             self.cache = self.insert(self.cache, row_cache, np.int32(row))
+            TIMELINE.dispatched("insert")
             ids = generation.prompt_ids
             self.positions[row], self.tokens[row], self.stale[row] = len(ids) - 1, ids[-1], False
             self.sampler.set(row, generation.sampling, generation.seed, generation.logprobs, len(ids),
@@ -2956,6 +3096,10 @@ class DecodeBatch:
         return LONG_CHUNK if long else DECODE_CHUNK
 
     def step(self, window=None, steps=None, quiet=False):
+        with WORKER_CLOCK.part("dispatch"):
+            return self.dispatch(window, steps, quiet)
+
+    def dispatch(self, window, steps, quiet):
         """Decodes a chunk (chunk_length) in every row and hands each generation its own tokens: those of
         the chunk before, when this one could be dispatched ahead of reading them. A one-token or a long
         chunk needs the tokens before it first (for the first token's event, or how far each row has got)
@@ -2968,7 +3112,8 @@ class DecodeBatch:
             if self.chunk_length(steps, quiet) != DECODE_CHUNK:
                 self.settle()
         steps = self.chunk_length(steps, quiet)
-        masked = self.grammars.fill(self.rows)
+        with WORKER_CLOCK.part("grammar"):
+            masked = self.grammars.fill(self.rows)
         self.first_token_due = False
         busy = [(row, g) for row, g in enumerate(self.rows) if g is not None]
         for row in self.ending_rows():  # what this chunk makes there is dropped: let it not cost the cheap paths
@@ -2998,13 +3143,17 @@ class DecodeBatch:
                 engine.values, self.cache, window, LONGEST_CHUNK, self.grammars.inputs(masked), *inputs,
                 engine.feed(remaining), engine.feed(stop_ids, replicated=True),
                 engine.feed(np.int32(limit), replicated=True), engine.lora_tables, *self.sampling)
-            long, steps = steps == LONG_CHUNK, int(made)
+            TIMELINE.dispatched("decode_long", sampled)
+            with WORKER_CLOCK.part("read"):
+                made = int(made)
+            long, steps = steps == LONG_CHUNK, made
             if long and steps:  # none when no row is busy (the warm-up's)
                 engine.token_seconds = (time.perf_counter() - started) / steps
         else:
             (sampled, logprobs), self.cache = self.decode(engine.values, self.cache, window, steps,
                                                           self.grammars.inputs(masked),
                                                           *inputs, engine.lora_tables, *self.sampling)
+            TIMELINE.dispatched("decode", sampled)
         self.positions += steps
         self.stale[:] = True
         previous, self.pending = self.pending, (sampled, logprobs, busy, start, steps)
@@ -3016,20 +3165,26 @@ class DecodeBatch:
     def settle(self, chunk=None):
         """Reads a dispatched chunk's tokens (by default the pending one's, which then feed no other chunk)
         and hands each generation its own; rows whose generation ends free up."""
+        with WORKER_CLOCK.part("settle"):
+            self.hand_out(chunk)
+
+    def hand_out(self, chunk):
         engine = self.engine
         if chunk is None:
             chunk, self.pending = self.pending, None
             if chunk is None:
                 return
         sampled, logprobs, busy, start, made = chunk
-        sampled = np.asarray(sampled)
+        with WORKER_CLOCK.part("read"):
+            sampled = np.asarray(sampled)
         if self.pending is None:
             self.tokens = np.where(self.stale, sampled[made - 1], self.tokens)
             self.stale[:] = False
         busy = [(row, g) for row, g in busy if g.finish_reason is None]  # not cancelled meanwhile
         drawn_from = {row: self.grammars.candidates(row, g, self.sampler) for row, g in busy if g.matcher is not None}
         if any(g.logprobs is not None for _, g in busy) or max(drawn_from.values(), default=0) > 1:
-            logprobs = [np.asarray(a) for a in logprobs]  # fetched only when asked for
+            with WORKER_CLOCK.part("read"):
+                logprobs = [np.asarray(a) for a in logprobs]  # fetched only when asked for
         for row, generation in busy:
             for offset in range(made):
                 if start[row] + offset >= self.length - 1:  # the cache is full (validation prevents it)
@@ -3097,6 +3252,7 @@ class DecodeBatch:
         new = DecodeBatch(self.engine, size)
         index = np.array(kept + [0] * (size - len(kept)), np.int32)
         new.cache = self.engine.programs[self.size].resize[size](self.cache, index)
+        TIMELINE.dispatched("resize")
         self.cache = None  # this batch is done: its cache's memory may go before the next copy
         for name in ("positions", "tokens", "slots"):
             getattr(new, name)[:len(kept)] = getattr(self, name)[kept]
@@ -3262,6 +3418,8 @@ class Worker:
                 return
 
     def run(self):
+        WORKER_CLOCK.start()
+        TIMELINE.start()
         try:
             while True:
                 self.run_batch()
@@ -3276,14 +3434,16 @@ class Worker:
 
     def run_batch(self):
         if not self.waiting:
-            self.waiting.append(self.queue.get())
-            # A short window lets a burst of requests start together in a batch of the right size.
-            deadline = time.time() + self.window
-            while len(self.waiting) < self.max_batch_size and time.time() < deadline:
-                try:
-                    self.waiting.append(self.queue.get(timeout=max(0.0, deadline - time.time())))
-                except queue.Empty:
-                    break
+            with WORKER_CLOCK.part("idle"):
+                self.waiting.append(self.queue.get())
+                # A short window lets a burst of requests start together in a batch of the right size.
+                deadline = time.time() + self.window
+                while len(self.waiting) < self.max_batch_size and time.time() < deadline:
+                    try:
+                        self.waiting.append(self.queue.get(timeout=max(0.0, deadline - time.time())))
+                    except queue.Empty:
+                        break
+        TIMELINE.new_run()
         self.busy = 1
         first = list(self.waiting)[:self.max_batch_size]
         size = self.engine.batch_for(len(first))
@@ -3341,10 +3501,12 @@ class Worker:
                 return  # emptied (its clients left): what waits now gets a batch of its own size
             target = self.target_size()
             if target is not None:
-                self.resize(target)
+                with WORKER_CLOCK.part("resize"):
+                    self.resize(target)
             if self.waiting and self.batch.free_rows:
-                self.batch.admit_all([self.waiting.popleft()
-                                      for _ in range(min(self.batch.free_rows, len(self.waiting)))])
+                with WORKER_CLOCK.part("admit"):
+                    self.batch.admit_all([self.waiting.popleft()
+                                          for _ in range(min(self.batch.free_rows, len(self.waiting)))])
             if not self.batch.active:
                 return
             METRICS.observe_batch(self.batch.active)

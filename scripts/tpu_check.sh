@@ -14,6 +14,10 @@
 #   restart serve.py started cold, then warm from XLA's compilation cache alone, then warm from the program
 #          store too: launch to ready and to the full warm-up, the compilations each made (issue #33); then
 #          scripts/profile_load.py: where loading the model's time goes
+#   load   serve.py with default flags over --uds, filled with 64, 128 and 256 streaming clients (scripts/load_check.py):
+#          tok/s, time to first token, the engine's own decode at that batch (tpu_check.py, same call) and where the
+#          worker's and the device's time went (issue #48); TPU_CHECK_LOAD_CLIENTS, TPU_CHECK_LOAD_FLAGS (serve.py's),
+#          TPU_CHECK_LOAD_ENGINE=0 (skip the engine alone) make it lighter
 #   bench  scripts/tpu_check.py: train ms/step and MFU, decode tokens/s next to the bandwidth limit and warm-up
 #          seconds at batch 1, 8 and 64, for bfloat16, then int8, then int4 (one 2B warm-up per batch: minutes)
 # Every stage writes its log unbuffered under $OUT as it goes, so a call cut short still reports, and
@@ -167,7 +171,35 @@ print(f'bytecode written: {not sys.dont_write_bytecode}', *sorted(lines, key=lam
       grep -E "^(model|limit|train|generate|memory):" "$out/bench_$q.log" | tee -a "$summary"
     done
     ;;
-  *) echo "unknown stage $stage (tests, train, serve, restart, bench)"; exit 2 ;;
+  load)
+    # Issue #48: the server with default flags over --uds, filled with 64, 128 and 256 streaming clients, next
+    # to the engine alone at those batch sizes (scripts/tpu_check.py, the same program set, in this same call),
+    # and where the worker's and the device's time went (/metrics' per-dispatch breakdown).
+    [ -f "$model/model.safetensors" ] || log=load run_stage make_model python3 scripts/make_tiny_gemma.py "$model" "${shape[@]}"
+    clients="${TPU_CHECK_LOAD_CLIENTS:-64,128,256}"
+    flags=(--skip-train --batches "$clients" --new-tokens 128); [ "$config" = tiny ] && flags+=(--config tiny)
+    [ "${TPU_CHECK_LOAD_ENGINE:-1}" = 1 ] && log=load run_stage load_engine python3 scripts/tpu_check.py "${flags[@]}"
+    grep -E "^generate:" "$out/load.log" | tee -a "$summary"
+    rm -f "$sock"
+    python3 serve.py --model "$model" --uds "$sock" --dtype bfloat16 --compile-cache "$work/xla" \
+      ${TPU_CHECK_LOAD_FLAGS:-} >"$out/load_serve.log" 2>&1 &
+    server=$!
+    up=0
+    while [ "$(left)" -gt 30 ] && kill -0 $server 2>/dev/null; do
+      [ "$(curl -s -o /dev/null -w '%{http_code}' --unix-socket "$sock" http://localhost/health)" = 200 ] && { up=1; break; }
+      sleep 2
+    done
+    if [ $up = 1 ]; then
+      log=load run_stage load_check python3 scripts/load_check.py "$sock" --clients "$clients" \
+        --engine-log "$out/load.log" --json "$out/load.json"
+      grep -E "warm-up|ready on|max-batch-size" "$out/load_serve.log" | tee -a "$summary"
+      grep -E "^\||^ok|^FAILED|^background" "$out/load.log" | tee -a "$summary"
+    else
+      row "| load | not ready in time: $(tail -2 "$out/load_serve.log" | tr '\n' ' ') |"
+    fi
+    kill -TERM $server 2>/dev/null; wait $server
+    ;;
+  *) echo "unknown stage $stage (tests, train, serve, restart, load, bench)"; exit 2 ;;
   esac
 done
 row "total: $((SECONDS - started))s of ${budget}s"

@@ -180,6 +180,7 @@ def test_concurrent_submits_never_overshoot_the_queue_limit():
     class Stalled:  # a worker whose thread never runs: only submit() fills its queue
         pass
     worker = serve.Worker(Stalled(), 4, 0.0, 10)
+    worker.alive = lambda: True  # as if its thread were running
     start, refused = threading.Barrier(32), []
 
     def client():

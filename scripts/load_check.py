@@ -1,0 +1,172 @@
+"""Fills a running `serve.py --uds PATH` with streaming clients and says where the time went (issue #48).
+
+    python3 scripts/load_check.py /tmp/serve.sock [--clients 64,128,256] [--rounds 2] [--engine-log LOG]
+
+The shape of issue #48's measurements: each client streams --rounds completions one after another, each a
+prompt of 30-60 words and --max-tokens (128) new tokens, greedy, ignore_eos; a 503 is retried after
+its Retry-After (as the openai client does), its wait counted in the time to first token. Per client count,
+a row: generated tokens/s over the level, time to first token p50/p99, and, from /metrics before and
+after, where the model worker's wall time went (serve_worker_seconds_total: waiting on the device to read
+tokens, or host work: admitting, dispatching, handing out tokens) and the device's (serve_device_busy_
+seconds_total by program, and idle between a batch's dispatches: the host was the wall), the prefill
+dispatches and the decode time they stalled. With --engine-log, a log of scripts/tpu_check.py's decode
+runs ("generate: batch N: X tok/s"), each row also gives the engine's own decode at the level's batch size,
+measured alone in the same run, and the server's share of it. Standard library only: it runs on a TPU VM.
+Exit 1 if a request failed or anything compiled on a request's behalf.
+"""
+import argparse
+import concurrent.futures
+import json
+import random
+import re
+import sys
+import time
+
+from uds_check import UnixConnection, percentile, request, wait_compiled
+
+WORDS = "the river valley canal town boats rail museum history people water bridge summer market".split()
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("socket")
+    p.add_argument("--clients", default="64,128,256")
+    p.add_argument("--rounds", type=int, default=2, help="streamed requests per client at each level")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--engine-log", default=None, help="scripts/tpu_check.py's output: the engine alone, per batch")
+    p.add_argument("--json", default=None, help="also write the rows here, as JSON")
+    return p.parse_args()
+
+
+def scrape(sock):
+    """{metric name with labels: value} of /metrics."""
+    _, text = request(sock, "GET", "/metrics")
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def stream(sock, body):
+    """(seconds to the first token, completion tokens, retries) of a streamed completion; 503s retried."""
+    started, retries = time.perf_counter(), 0
+    while True:
+        connection = UnixConnection(sock)
+        try:
+            connection.request("POST", "/v1/completions", headers={"Content-Type": "application/json"},
+                               body=json.dumps(body | {"stream": True, "stream_options": {"include_usage": True}}))
+            response = connection.getresponse()
+            if response.status == 503:
+                retries += 1
+                time.sleep(min(float(response.headers.get("Retry-After", 1)), 1.0) * random.random())
+                continue
+            if response.status != 200:
+                raise RuntimeError(f"status {response.status}: {response.read()[:200]!r}")
+            first, tokens = None, 0
+            for line in response:
+                if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if first is None and event.get("choices") and event["choices"][0].get("text"):
+                    first = time.perf_counter() - started
+                if event.get("usage"):
+                    tokens = event["usage"]["completion_tokens"]
+            return first if first is not None else time.perf_counter() - started, tokens, retries
+        finally:
+            connection.close()
+
+
+def level(sock, clients, rounds, max_tokens):
+    rng = random.Random(clients)
+    bodies = [{"prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(30, 60))), "max_tokens": max_tokens,
+               "temperature": 0, "ignore_eos": True} for _ in range(clients * rounds)]
+
+    def client(i):
+        out = []
+        for body in bodies[i::clients]:
+            try:
+                out.append(stream(sock, body))
+            except Exception as e:  # counted: the row says how many
+                out.append(e)
+        return out
+    before, started = scrape(sock), time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        results = [r for rs in pool.map(client, range(clients)) for r in rs]
+    seconds, after = time.perf_counter() - started, scrape(sock)
+    good = [r for r in results if not isinstance(r, Exception)]
+    ttft = [r[0] for r in good] or [float("nan")]
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    return {"clients": clients, "requests": len(results), "errors": len(results) - len(good),
+            "first_error": next((repr(r)[:200] for r in results if isinstance(r, Exception)), ""),
+            "retries": sum(r[2] for r in good), "seconds": seconds, "tokens_per_second": sum(r[1] for r in good) / seconds,
+            "ttft_p50_ms": percentile(ttft, 0.5) * 1000, "ttft_p99_ms": percentile(ttft, 0.99) * 1000,
+            "metrics": delta, "batch_sizes": {k: v for k, v in delta.items() if k.startswith("serve_batches_total")}}
+
+
+def labelled(delta, name):
+    """{label value: delta} of one labelled counter."""
+    return {re.search(r'"(.*)"', k).group(1): v for k, v in delta.items() if k.startswith(name + "{")}
+
+
+def engine_alone(path):
+    """{batch size: tok/s} from scripts/tpu_check.py's output."""
+    if not path:
+        return {}
+    found = re.findall(r"generate: batch (\d+): ([\d,]+) tok/s", open(path).read())
+    return {int(b): float(t.replace(",", "")) for b, t in found}
+
+
+def typical_batch(row):
+    """The batch size most of the level's dispatches ran at (serve_batches_total counts active rows)."""
+    counts = {int(re.search(r'"(\d+)"', k).group(1)): v for k, v in row["batch_sizes"].items() if v > 0}
+    return max(counts, key=counts.get) if counts else 0
+
+
+def describe(row, alone):
+    m = row["metrics"]
+    worker, busy = labelled(m, "serve_worker_seconds_total"), labelled(m, "serve_device_busy_seconds_total")
+    dispatches = labelled(m, "serve_dispatches_total")
+    wall = sum(worker.values()) or row["seconds"]
+    host = wall - worker.get("read", 0) - worker.get("idle", 0)
+    idle = m.get("serve_device_idle_seconds_total", 0.0)
+    active = max(typical_batch(row), 1)
+    engine = next((alone[b] for b in sorted(alone) if b >= active), alone.get(max(alone), 0) if alone else 0)
+    share = f"{row['tokens_per_second'] / engine:.0%} of {engine:,.0f}" if engine else "-"
+    prefills = dispatches.get("prefill", 0) + dispatches.get("prefill_group", 0)
+    return (f"| {row['clients']} | {row['requests']} ({row['errors']} failed, {row['retries']} retried 503s) | "
+            f"{row['tokens_per_second']:,.0f} | {row['ttft_p50_ms']:,.0f} / {row['ttft_p99_ms']:,.0f} ms | {share} | "
+            f"{active} | {worker.get('read', 0) / wall:.0%} read, {host / wall:.0%} host "
+            f"(dispatch {worker.get('dispatch', 0) / wall:.0%}, settle {worker.get('settle', 0) / wall:.0%}, admit "
+            f"{worker.get('admit', 0) / wall:.0%}, resize {worker.get('resize', 0) / wall:.0%}) | "
+            f"decode {busy.get('decode', 0) + busy.get('decode_long', 0):.2f}s, prefill "
+            f"{busy.get('prefill', 0) + busy.get('prefill_group', 0):.2f}s, idle {idle:.2f}s of {row['seconds']:.1f}s | "
+            f"{prefills:.0f} ({dispatches.get('prefill_group', 0):.0f} groups of "
+            f"{m.get('serve_grouped_prompts_total', 0):.0f}), stalling {m.get('serve_prefill_stall_seconds_total', 0):.2f}s "
+            f"| {dispatches.get('decode', 0) + dispatches.get('decode_long', 0):.0f} |")
+
+
+def main():
+    args = parse_args()
+    print(f"background warm-up finished {wait_compiled(args.socket):.1f}s after the load check started", flush=True)
+    alone = engine_alone(args.engine_log)
+    compilations = scrape(args.socket).get("serve_request_compilations_total", 0)
+    print("| clients | requests | tok/s | TTFT p50 / p99 | of the engine alone | batch | worker's wall time | "
+          "device time | prefill dispatches | decode dispatches |\n|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    rows, failed = [], 0
+    for clients in map(int, args.clients.split(",")):
+        row = level(args.socket, clients, args.rounds, args.max_tokens)
+        rows.append(row)
+        print(describe(row, alone) + (f" first error: {row['first_error']}" if row["errors"] else ""), flush=True)
+        failed += row["errors"]
+    compiled = scrape(args.socket).get("serve_request_compilations_total", 0) - compilations
+    print(f"{'ok' if compiled == 0 else 'FAILED'} XLA compilations on a request's behalf during the load: {compiled:.0f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "engine_alone": alone}, f, indent=1)
+    return 1 if failed or compiled else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
