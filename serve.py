@@ -3057,13 +3057,18 @@ class DecodeBatch:
         first decode step re-reads its last prompt token."""
         rows = self.free_row_ids()[:len(generations)]
         assert len(rows) == len(generations), "more generations than free rows"
-        TIMELINE.stalling = self.active > len(self.ending_rows())  # rows that go on decoding wait for these prefills
+        decoding = self.active > len(self.ending_rows())  # rows that go on decoding wait for these prefills
+        TIMELINE.stalling = decoding
         self.taken = {g for g in self.taken if g.finish_reason is None}
         for row, generation in zip(rows, generations):
             self.rows[row] = generation  # held by the batch from here: a failure below finishes it
             self.taken.add(generation)
             generation.started = time.time()
             self.slots[row] = generation.slot
+        # A streamed request's first token comes after a one-token chunk, read at once, only where no other row
+        # decodes: under load newcomers arrive every few tokens, and a one-token chunk read before the next is
+        # dispatched would stop the dispatching ahead for the whole batch each time (issue #48); they then get
+        # it with the next chunk, dispatched ahead like any other.
         for row, generation, (row_cache, cached) in zip(rows, generations, self.engine.prefills.rows(generations)):
             generation.cached_tokens = cached
             self.cache = self.insert(self.cache, row_cache, np.int32(row))
@@ -3073,7 +3078,7 @@ class DecodeBatch:
             self.sampler.set(row, generation.sampling, generation.seed, generation.logprobs, len(ids),
                              self.engine.stop_ids)
             self.sampling = None
-            self.first_token_due |= generation.events is not None
+            self.first_token_due |= generation.events is not None and not decoding
 
     def chunk_length(self, steps, quiet):
         """One token when a streamed request waits for its first token, when no busy row can keep a
@@ -3199,9 +3204,11 @@ class DecodeBatch:
                     METRICS.add("grammar_dropped", made - offset)
                     break
                 alternatives = None if generation.logprobs is None else [a[offset, row] for a in logprobs]
-                if generation.accept(token, engine, alternatives):
+                if generation.accept(token, engine, alternatives, emit=False):
                     break
-            if generation.finish_reason is not None and self.rows[row] is generation:
+            if generation.finish_reason is None:
+                generation.emit(final=False, engine=engine)
+            elif self.rows[row] is generation:
                 self.vacate(row)
 
     def release_cancelled(self):
@@ -3300,9 +3307,10 @@ class Generation:
         self.started = None
         self.done = threading.Event()
 
-    def accept(self, token, engine, alternatives=None):
+    def accept(self, token, engine, alternatives=None, emit=True):
         """Takes one generated token (and, when asked for, its log-probabilities: (logprob, top logprobs,
-        top ids)); returns True when this generation has finished."""
+        top ids)); returns True when this generation has finished. `emit`: stream what is new now (settle()
+        says False, and emits once per chunk: one event and one socket write for its tokens, not one each)."""
         if token in self.stop_ids or (token in engine.stop_ids and not self.ignore_eos):
             return self.finish("stop", engine)
         if self.matcher is not None:
@@ -3312,7 +3320,7 @@ class Generation:
             logprob, top_logprobs, top_ids = alternatives
             top = list(zip(top_ids[:self.logprobs].tolist(), top_logprobs[:self.logprobs].tolist()))
             self.token_logprobs.append((token, float(logprob), top))
-        if self.follows_text:
+        if self.stop:  # stop strings are looked for token by token; a stream's text is made when it is sent
             self.text = engine.decode(self.ids)
         if len(self.ids) < self.min_tokens:
             self.stops_from = len(self.text)
@@ -3325,12 +3333,15 @@ class Generation:
             return self.finish("stop", engine)
         if len(self.ids) >= self.max_tokens:
             return self.finish("length", engine)
-        self.emit(final=False)
+        if emit:
+            self.emit(final=False, engine=engine)
         return False
 
-    def emit(self, final):
+    def emit(self, final, engine=None):
         if self.events is None:
             return
+        if engine is not None and not self.stop:
+            self.text = engine.decode(self.ids)
         # Hold back a trailing partial UTF-8 character and anything that may be the start of a stop string.
         upto = len(self.text) if final else len(self.text.rstrip("\ufffd"))
         if not final and self.stop:
@@ -3341,16 +3352,11 @@ class Generation:
             self.events.put((self.index, self.text[self.sent:upto], self.finish_reason if final else None, entries))
             self.sent = upto
 
-    @property
-    def follows_text(self):
-        """Text is needed token by token only to find stop strings or to stream; otherwise once, at the end."""
-        return bool(self.stop) or self.events is not None
-
     def cancel(self):
         self.cancelled = True
 
     def finish(self, reason, engine=None):
-        if engine is not None and not self.follows_text:
+        if engine is not None and not self.stop:  # with stop strings, accept() keeps it (and cuts it)
             self.text = engine.decode(self.ids)
         if reason == "cancelled":
             METRICS.add("cancelled")
@@ -4540,23 +4546,32 @@ def wait_for(gens, req):
 
 def stream_events(gens, events, render, first=(), last=None):
     """Server-sent events: the payloads in `first`, then what render(index, text, finish_reason, logprob
-    entries) makes of each piece, then last() and `data: [DONE]`. Closing the stream cancels what is left."""
+    entries) makes of each piece, then last() and `data: [DONE]`. Closing the stream cancels what is left.
+    Each yield is every event that has come meanwhile, for one socket write: the worker sends a row's
+    tokens once per chunk, and the n answers of a request each send theirs."""
     def sse(payload):
-        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
     try:
-        for payload in first:
-            yield sse(payload)
+        if first:  # at once: the client learns its stream has started before the first token is made
+            yield "".join(sse(payload) for payload in first).encode()
         finished = 0
         while finished < len(gens):
-            index, text, reason, entries = events.get()
-            if reason == "cancelled":
-                raise ClientGone()
-            finished += reason is not None
-            for payload in render(index, text, reason, entries):
-                yield sse(payload)
-        if last is not None:
-            yield sse(last())
-        yield b"data: [DONE]\n\n"
+            pieces = [events.get()]
+            while True:
+                try:
+                    pieces.append(events.get_nowait())
+                except queue.Empty:
+                    break
+            out = []
+            for index, text, reason, entries in pieces:
+                if reason == "cancelled":
+                    raise ClientGone()
+                finished += reason is not None
+                out += [sse(payload) for payload in render(index, text, reason, entries)]
+            if finished == len(gens):
+                out += [sse(last())] if last is not None else []
+                out.append("data: [DONE]\n\n")
+            yield "".join(out).encode()
     finally:
         for g in gens:
             g.cancel()

@@ -8,7 +8,10 @@ import sys
 import time
 import urllib.request
 
+import numpy as np
 import pytest
+
+import serve
 
 from conftest import REPO, burst_until_grouped, http, raw_request, script_env
 
@@ -314,3 +317,75 @@ def test_the_server_runs_without_tensorflow(tiny_server, adapter_server):
         assert "tensorflow" not in Path(f"/proc/{server.process.pid}/maps").read_text()
         status, body, _ = http("POST", server.url + "/v1/completions", {"prompt": "The river", "max_tokens": 4})
         assert status == 200 and body["usage"]["completion_tokens"] == 4
+
+
+def test_streamed_chunks_carry_what_the_plain_answer_has(server):
+    """The worker sends each row's tokens once per chunk and the handler writes all that has come in one go:
+    the openai client must rebuild the same text, token log-probabilities and usage, n > 1 included."""
+    import openai
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    ask = dict(model="model", prompt=[ARTICLE_PROMPT, "Hello there"], max_tokens=12, temperature=0, n=2, logprobs=2,
+               extra_body={"ignore_eos": True})
+    plain = client.completions.create(**ask)
+    chunks = list(client.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+    for choice in plain.choices:
+        parts = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
+        assert "".join(p.text for p in parts) == choice.text
+        streamed = [t for p in parts if p.logprobs for t in p.logprobs.tokens]
+        assert streamed == choice.logprobs.tokens
+        np.testing.assert_allclose([lp for p in parts if p.logprobs for lp in p.logprobs.token_logprobs],
+                                   choice.logprobs.token_logprobs, atol=1e-5)
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens == 4 * 12
+    messages = [{"role": "user", "content": "Name a colour."}]
+    ask = dict(model="model", messages=messages, max_tokens=10, temperature=0, n=2, logprobs=True, top_logprobs=2,
+               extra_body={"ignore_eos": True})
+    plain = client.chat.completions.create(**ask)
+    chunks = list(client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+    for choice in plain.choices:
+        parts = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
+        assert "".join(p.delta.content or "" for p in parts) == choice.message.content
+        streamed = [t for p in parts if p.logprobs and p.logprobs.content for t in p.logprobs.content]
+        assert [t.token for t in streamed] == [t.token for t in choice.logprobs.content]
+        np.testing.assert_allclose([t.logprob for t in streamed], [t.logprob for t in choice.logprobs.content],
+                                   atol=1e-5)
+        assert [[a.token for a in t.top_logprobs] for t in streamed] == \
+            [[a.token for a in t.top_logprobs] for t in choice.logprobs.content]
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == \
+        (plain.usage.prompt_tokens, plain.usage.completion_tokens)  # the second may find the prompt cached
+    # A chunk's tokens travel together: far fewer events than tokens.
+    request = urllib.request.Request(server.url + "/v1/completions", method="POST", headers={
+        "Content-Type": "application/json"}, data=json.dumps({"prompt": "Hi", "max_tokens": 24, "temperature": 0,
+                                                               "ignore_eos": True, "stream": True}).encode())
+    with urllib.request.urlopen(request, timeout=60) as response:
+        events = [e for e in response.read().decode().split("\n\n") if e.startswith("data: {")]
+    assert len(events) <= 24 // 2, len(events)
+
+
+def test_the_worker_s_time_adds_up_and_each_dispatch_is_counted_and_timed(server):
+    def scrape():
+        _, text, _ = http("GET", server.url + "/metrics")
+        return {line.rpartition(" ")[0]: float(line.rpartition(" ")[2]) for line in text.splitlines()
+                if line and not line.startswith("#")}
+
+    def parts(values, name):
+        return {k[len(name) + 1:-1]: v for k, v in values.items() if k.startswith(name + "{")}
+    before, started = scrape(), time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        list(pool.map(lambda i: post(server, {"prompt": f"Timed {i} " * (1 + 5 * i), "max_tokens": 20}), range(6)))
+    time.sleep(0.2)  # some idle time too
+    after, wall = scrape(), time.perf_counter() - started
+    worker = {k: v - parts(before, "serve_worker_seconds_total").get(k, 0)
+              for k, v in parts(after, "serve_worker_seconds_total").items()}
+    assert set(worker) == {f'part="{p}"' for p in serve.WORKER_PARTS}
+    # Every moment of the worker's counts once: the parts add up to the wall time between the two scrapes.
+    assert abs(sum(worker.values()) - wall) < 0.05 * wall + 0.05, (sum(worker.values()), wall, worker)
+    assert worker['part="idle"'] > 0.1 and worker['part="read"'] > 0 and worker['part="admit"'] > 0
+    dispatched = {k: v - before.get(k, 0) for k, v in after.items() if k.startswith("serve_dispatches_total")}
+    assert dispatched['serve_dispatches_total{program="insert"}'] >= 6
+    assert dispatched['serve_dispatches_total{program="prefill"}'] + \
+        dispatched['serve_dispatches_total{program="prefill_group"}'] >= 1
+    busy = {k: v - before.get(k, 0) for k, v in after.items() if k.startswith("serve_device_busy_seconds_total")}
+    assert busy['serve_device_busy_seconds_total{program="decode"}'] + \
+        busy['serve_device_busy_seconds_total{program="decode_long"}'] > 0
+    idle = after["serve_device_idle_seconds_total"] - before["serve_device_idle_seconds_total"]
+    assert 0 <= sum(busy.values()) + idle <= wall * 1.05 + 0.05
