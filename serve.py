@@ -1996,6 +1996,11 @@ class PrefixPool(PrefixCache):
                 raise
 
 
+# A chunk dispatched and not read yet (DecodeBatch.pending): the tokens and log-probabilities on the device, the
+# [(row, generation)] it decodes for, each row's position at its start, its steps; the grammar rows whose first
+# token it draws without their mask, and the rows whose tokens in it are void (DecodeBatch.rewind).
+Chunk = collections.namedtuple("Chunk", "sampled logprobs busy start steps unmasked voided")
+
 # One batch size's compiled programs (see Engine.batch_programs); resize: {size: program} for its neighbours.
 BatchPrograms = collections.namedtuple("BatchPrograms", "new_cache insert decode decode_long next_tokens resize")
 
@@ -3016,11 +3021,9 @@ class DecodeBatch:
         self.slots = np.zeros(size, np.int32)  # each row's adapter slot (0: the base alone)
         self.sampling = None  # the slots and the sampler's arrays on the device; re-sent when a row changes hands
         self.grammars = RowGrammars(engine, size)
-        # A streamed request's first token is sent after the step that samples it: the dispatch after it is
-        # admitted is one token long, not four.
-        self.first_token_due = False
-        # The last chunk dispatched whose tokens are not read yet: (sampled, logprobs, [(row, generation)],
-        # positions it started from, steps). Its rows' last tokens feed the next chunk on the device.
+        self.first_token_due = False  # a one-token chunk next, for a streamed first token (admit_all)
+        # The last chunk dispatched whose tokens are not read yet (a Chunk). Its rows' last tokens feed the next
+        # chunk on the device.
         self.pending = None
         # Every generation admitted and not yet seen to finish. A row whose generation ends in the pending
         # chunk is refilled before that chunk is read: from then on only this set (and the chunk) holds
@@ -3043,10 +3046,11 @@ class DecodeBatch:
         return [row for row, g in enumerate(self.rows) if g is None] + self.ending_rows()
 
     def ending_rows(self):
+        """A grammar row is never sure to: the pending chunk's tokens may be dropped for it (hand_out)."""
         if self.pending is None:
             return []
-        _, _, busy, start, steps = self.pending
-        return [row for row, g in busy if self.rows[row] is g and g.finish_reason is None
+        busy, start, steps = self.pending.busy, self.pending.start, self.pending.steps
+        return [row for row, g in busy if self.rows[row] is g and g.finish_reason is None and g.matcher is None
                 and (len(g.ids) + steps >= g.max_tokens or start[row] + steps >= self.length)]
 
     def admit(self, generation):
@@ -3118,7 +3122,12 @@ class DecodeBatch:
                 self.settle()
         steps = self.chunk_length(steps, quiet)
         with WORKER_CLOCK.part("grammar"):
-            masked = self.grammars.fill(self.rows)
+            # A grammar row whose last tokens are still on the device (this chunk is dispatched ahead of reading
+            # them) draws this chunk's first token without its mask too, checked when it is read (hand_out):
+            # its mask needs those tokens, and waiting for them would stop the whole batch. The others' masks
+            # are made now.
+            masked = self.grammars.fill([None if g is None or self.stale[row] else g for row, g in enumerate(self.rows)])
+        unmasked = {row for row, g in enumerate(self.rows) if g is not None and g.matcher is not None and self.stale[row]}
         self.first_token_due = False
         busy = [(row, g) for row, g in enumerate(self.rows) if g is not None]
         for row in self.ending_rows():  # what this chunk makes there is dropped: let it not cost the cheap paths
@@ -3134,8 +3143,10 @@ class DecodeBatch:
             tokens = self.next_tokens(self.pending[0], engine.feed(self.stale), tokens)
         inputs = tokens, engine.feed(self.positions)
         looped = steps == LONG_CHUNK or engine.long_makes_chunks(self.size)
-        # A grammar row's tokens are checked, and its next mask made, before the next chunk is dispatched.
-        start, read_now = self.positions.copy(), looped or steps != DECODE_CHUNK or masked or not engine.dispatch_ahead
+        # A grammar row that cannot keep a token drawn without its mask (RowGrammars.candidates) is read, and its
+        # next mask made, before the next chunk is dispatched.
+        must_read = any(g.matcher is not None and not self.grammars.candidates(row, g, self.sampler) for row, g in busy)
+        start, read_now = self.positions.copy(), looped or steps != DECODE_CHUNK or must_read or not engine.dispatch_ahead
         if looped:
             remaining = np.zeros(self.size, np.int32)  # free rows: none
             for row, g in busy:  # a row also ends where the cache does; at its end it still runs one chunk,
@@ -3161,7 +3172,7 @@ class DecodeBatch:
             TIMELINE.dispatched("decode", sampled)
         self.positions += steps
         self.stale[:] = True
-        previous, self.pending = self.pending, (sampled, logprobs, busy, start, steps)
+        previous, self.pending = self.pending, Chunk(sampled, logprobs, busy, start, steps, unmasked, set())
         if previous is not None:
             self.settle(previous)
         if read_now:
@@ -3179,13 +3190,15 @@ class DecodeBatch:
             chunk, self.pending = self.pending, None
             if chunk is None:
                 return
-        sampled, logprobs, busy, start, made = chunk
+        sampled, logprobs, busy, start, made, unmasked, voided = chunk
         with WORKER_CLOCK.part("read"):
             sampled = np.asarray(sampled)
         if self.pending is None:
             self.tokens = np.where(self.stale, sampled[made - 1], self.tokens)
             self.stale[:] = False
-        busy = [(row, g) for row, g in busy if g.finish_reason is None]  # not cancelled meanwhile
+        METRICS.add("grammar_dropped", made * len(voided))
+        # Not cancelled meanwhile, nor voided: dispatched ahead after tokens of the chunk before it were dropped.
+        busy = [(row, g) for row, g in busy if g.finish_reason is None and row not in voided]
         drawn_from = {row: self.grammars.candidates(row, g, self.sampler) for row, g in busy if g.matcher is not None}
         if any(g.logprobs is not None for _, g in busy) or max(drawn_from.values(), default=0) > 1:
             with WORKER_CLOCK.part("read"):
@@ -3196,11 +3209,9 @@ class DecodeBatch:
                     generation.finish("length", engine)
                     break
                 token = int(sampled[offset, row])
-                if offset and row in drawn_from and not self.grammars.keeps_free_draw(
+                if (offset or row in unmasked) and row in drawn_from and not self.grammars.keeps_free_draw(
                         generation, drawn_from[row], token, lambda: logprobs[2][offset, row]):
-                    # The rest of the chunk is dropped: the row decodes on from its last kept token, under
-                    # the mask (what the cache holds past it is overwritten as it goes).
-                    self.positions[row], self.tokens[row] = start[row] + offset, sampled[offset - 1, row]
+                    self.rewind(row, generation, start[row] + offset)
                     METRICS.add("grammar_dropped", made - offset)
                     break
                 alternatives = None if generation.logprobs is None else [a[offset, row] for a in logprobs]
@@ -3210,6 +3221,15 @@ class DecodeBatch:
                 generation.emit(final=False, engine=engine)
             elif self.rows[row] is generation:
                 self.vacate(row)
+
+    def rewind(self, row, generation, position):
+        """The rest of a grammar row's chunk is dropped: it decodes on from its last kept token at `position`,
+        under its mask (what the cache holds past it is overwritten as it goes). A chunk already dispatched
+        after this one carried the row on from the dropped tokens: its tokens there are void."""
+        self.positions[row], self.tokens[row] = position, (generation.ids or generation.prompt_ids)[-1]
+        if self.pending is not None:
+            self.pending.voided.add(row)
+            self.stale[row] = False
 
     def release_cancelled(self):
         """Frees the rows of generations whose clients left, before the next chunk decodes for them."""
@@ -3235,40 +3255,6 @@ class DecodeBatch:
         self.taken = set()
         self.rows = [None] * self.size
 
-    def resized(self, size):
-        """The same rows in a batch of `size` (the next compiled size at a time): the pending chunk is read
-        first, then every held row's cache, position and settings are copied. Growing keeps each row
-        where it is; shrinking packs the held rows first."""
-        self.settle()
-        batch = self
-        while batch.size != size:
-            neighbours = self.engine.programs[batch.size].resize
-            step = max(neighbours) if size > batch.size else min(neighbours)
-            kept = list(range(batch.size)) if step > batch.size else [
-                row for row, g in enumerate(batch.rows) if g is not None]
-            try:
-                batch = batch.copied(step, kept)
-            except Exception as e:
-                raise ResizeFailed(batch) from e
-        METRICS.add("batch_resizes")
-        return batch
-
-    def copied(self, size, kept):
-        """A batch of `size` whose row i is this batch's row kept[i] (rows past them free). This batch is left
-        whole if it fails."""
-        new = DecodeBatch(self.engine, size)
-        index = np.array(kept + [0] * (size - len(kept)), np.int32)
-        new.cache = self.engine.programs[self.size].resize[size](self.cache, index)
-        TIMELINE.dispatched("resize")
-        self.cache = None  # this batch is done: its cache's memory may go before the next copy
-        for name in ("positions", "tokens", "slots"):
-            getattr(new, name)[:len(kept)] = getattr(self, name)[kept]
-        new.sampler.take(self.sampler, kept)
-        new.grammars.take(self.grammars, kept)
-        new.rows[:len(kept)] = [self.rows[row] for row in kept]
-        new.first_token_due, new.taken = self.first_token_due, self.taken
-        return new
-
 
 class ResizeFailed(Exception):
     """A batch could not be copied into one of another size; `batch` is the last one that holds the rows."""
@@ -3276,6 +3262,40 @@ class ResizeFailed(Exception):
     def __init__(self, batch):
         super().__init__("resize failed")
         self.batch = batch
+
+
+def resized_batch(batch, size):
+    """A DecodeBatch's rows in a batch of `size` (the next compiled size at a time): the pending chunk is read
+    first, then every held row's cache, position and settings are copied. Growing keeps each row
+    where it is; shrinking packs the held rows first. ResizeFailed holds the last batch that has them."""
+    batch.settle()
+    while batch.size != size:
+        neighbours = batch.engine.programs[batch.size].resize
+        step = max(neighbours) if size > batch.size else min(neighbours)
+        kept = list(range(batch.size)) if step > batch.size else [
+            row for row, g in enumerate(batch.rows) if g is not None]
+        try:
+            batch = copied_batch(batch, step, kept)
+        except Exception as e:
+            raise ResizeFailed(batch) from e
+    METRICS.add("batch_resizes")
+    return batch
+
+
+def copied_batch(self, size, kept):
+    """A batch of `size` whose row i is row kept[i] of this one (rows past them free); left whole if it fails."""
+    new = DecodeBatch(self.engine, size)
+    index = np.array(kept + [0] * (size - len(kept)), np.int32)
+    new.cache = self.engine.programs[self.size].resize[size](self.cache, index)
+    TIMELINE.dispatched("resize")
+    self.cache = None  # this batch is done: its cache's memory may go before the next copy
+    for name in ("positions", "tokens", "slots"):
+        getattr(new, name)[:len(kept)] = getattr(self, name)[kept]
+    new.sampler.take(self.sampler, kept)
+    new.grammars.take(self.grammars, kept)
+    new.rows[:len(kept)] = [self.rows[row] for row in kept]
+    new.first_token_due, new.taken = self.first_token_due, self.taken
+    return new
 
 
 # ----------------------------------------------------------------------------- scheduler
@@ -3487,7 +3507,7 @@ class Worker:
         waiting for the rows it would have made fail (the last to arrive; those its free rows hold are admitted)."""
         self.batch.settle()  # a chunk that cannot be read is the whole batch's failure, as anywhere else
         try:
-            self.batch = self.batch.resized(target)
+            self.batch = resized_batch(self.batch, target)
         except ResizeFailed as e:
             self.batch = e.batch
             doomed = max(0, len(self.waiting) - self.batch.free_rows)

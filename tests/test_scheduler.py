@@ -66,11 +66,11 @@ def test_a_batch_grown_and_shrunk_mid_generation_answers_as_one_of_its_final_siz
     batch = serve.DecodeBatch(engine, 1)
     batch.admit(grown[0])
     batch.step()
-    batch = batch.resized(2)  # one row busy mid-generation, one joins
+    batch = serve.resized_batch(batch, 2)  # one row busy mid-generation, one joins
     assert batch.size == 2 and batch.rows[0] is grown[0]
     batch.admit(grown[1])
     batch.step()
-    batch = batch.resized(4)
+    batch = serve.resized_batch(batch, 4)
     assert batch.size == 4 and batch.rows[:2] == grown[:2]
     batch.admit_all(grown[2:4])
     while batch.free_rows == 0:
@@ -83,7 +83,7 @@ def test_a_batch_grown_and_shrunk_mid_generation_answers_as_one_of_its_final_siz
         batch.step()
     assert batch.active == 1
     last = next(g for g in batch.rows if g is not None)
-    batch = batch.resized(1)  # the last one left finishes alone
+    batch = serve.resized_batch(batch, 1)  # the last one left finishes alone
     assert batch.size == 1 and batch.rows == [last]
     while batch.active:
         batch.step()

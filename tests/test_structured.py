@@ -248,15 +248,23 @@ ENGINE_FORMS = [FORMS["json_schema"], FORMS["regex"], FORMS["choice"],
 
 
 @pytest.mark.device
+@pytest.mark.parametrize("ahead", [False, True], ids=["read-each-chunk", "dispatched-ahead"])
 @pytest.mark.parametrize("sampling", [serve.SAMPLER_DEFAULTS["greedy"], {"temperature": 0.9, "top_k": 3, "top_p": 1.0},
                                       {"temperature": 1.0, "top_k": 40, "top_p": 0.9}])
-def test_grammar_rows_keep_multi_token_dispatches_and_answer_as_a_token_a_step(grammar_engine, sampling):
+def test_grammar_rows_keep_multi_token_dispatches_and_answer_as_a_token_a_step(grammar_engine, sampling, ahead,
+                                                                               monkeypatch):
     """A batch of four grammar rows (JSON schema, regex, choice, a tool call) and four free ones decodes
     DECODE_CHUNK tokens a dispatch, masked at each chunk's first token: the free rows make theirs as fast
     as without a grammar beside them. Each row's tokens are those of the masked draw at every token (the
-    engine held to a token a dispatch), greedy or sampled with a seed."""
+    engine held to a token a dispatch), greedy or sampled with a seed. Dispatched ahead (an accelerator; forced
+    here), a chunk goes out before the grammar rows' tokens of the one before are read: their first token is
+    then drawn free too and checked, and a dropped token voids the row's next chunk; the answers are the same."""
     import llguidance
     engine, tokenizer = grammar_engine
+    monkeypatch.setattr(engine, "dispatch_ahead", ahead)
+    rewind, voided = serve.DecodeBatch.rewind, []  # whether a chunk in flight was voided at each dropped token
+    monkeypatch.setattr(serve.DecodeBatch, "rewind", lambda self, row, g, position: (
+        voided.append(self.pending is not None), rewind(self, row, g, position))[1])
     grammars = [serve.requested_grammar(extra)[1] if "tools" not in extra else extra["tools"]
                 for extra, _ in ENGINE_FORMS]
     programs, dispatches = engine.programs[8], []
@@ -295,11 +303,14 @@ def test_grammar_rows_keep_multi_token_dispatches_and_answer_as_a_token_a_step(g
     assert [g.ids for g in chunked] == [g.ids for g in single]
     for (_, check), constrained in zip(ENGINE_FORMS, chunked[::2]):
         assert constrained.finish_reason == "stop" and check(constrained.text), constrained.text
-    # Beside the free rows every dispatch made 4 tokens, masked. Left alone, grammar rows that may keep a
-    # chunk's later tokens go on in chunks; those that keep only masked draws (top-p), a token a dispatch.
-    assert chunked_dispatches[:free_dispatches] == [(serve.DECODE_CHUNK, True)] * free_dispatches
+    # Beside the free rows every dispatch made 4 tokens, masked (read each chunk; dispatched ahead, a chunk after
+    # one not read yet is masked only for rows whose tokens were dropped). Left alone, grammar rows that may
+    # keep a chunk's later tokens go on in chunks; those that keep only masked draws (top-p), a token a dispatch.
+    assert [steps for steps, _ in chunked_dispatches[:free_dispatches]] == [serve.DECODE_CHUNK] * free_dispatches
+    assert ahead or all(masked for _, masked in chunked_dispatches[:free_dispatches])
     alone = {1} if sampling["temperature"] > 0 and sampling["top_p"] < 1 else {serve.DECODE_CHUNK}
     assert {steps for steps, _ in chunked_dispatches[free_dispatches:]} <= alone
     assert free_dispatches <= -(-27 // serve.DECODE_CHUNK) + 1 < single_free_dispatches / 3
     if sampling["temperature"] <= 0 or sampling["top_p"] >= 1:  # their later tokens were checked, some dropped
         assert serve.METRICS.grammar_dropped > dropped
+        assert any(voided) == ahead  # dispatched ahead, some drops voided the chunk in flight
