@@ -86,8 +86,11 @@ UNROLL_FROM_BATCH_OFF_CPU = 2  # ...and the batch size from which it is (see Eng
 # and 30-45 MiB of RSS: BENCHMARKS.md, issue #35). Gemma 3 270M on 2 cores, grouped against one by one:
 # 1.1-3.6x in blocks of 16-64 tokens but 0.80-1.09x (int8) and 1.01-1.39x (float32) in blocks of 128; a
 # pair 1.88x (int8) and 1.43x (float32) in blocks of 16, 1.12-1.27x in 32 and 64 (5-34 ms once).
-PREFILL_GROUPS = (2, 4, 8)
-GROUP_BLOCK, GROUP_BLOCKS_CPU = 128, {2: 16, 4: 64, 8: 64}
+# Off a CPU, groups up to 64 prompts and GROUP_TOKENS tokens: a wave of newcomers (streaming clients whose
+# answers end together, a burst) is prefilled in a few dispatches, each of which stalls the decoding rows,
+# instead of one per 8 (issue #48: 64 clients on a TPU v5e, 67 groups for 389 prompts, 40-56 ms each).
+PREFILL_GROUPS = (2, 4, 8, 16, 32, 64)
+GROUP_BLOCK, GROUP_TOKENS, GROUP_BLOCKS_CPU = 128, 4096, {2: 16, 4: 64, 8: 64}
 SAMPLER_DEFAULTS = {  # keras-hub's samplers' defaults: the article's "top_k" is TopKSampler(k=5)
     "greedy": {"temperature": 0.0, "top_k": CANDIDATES, "top_p": 1.0},
     "top_k": {"temperature": 1.0, "top_k": 5, "top_p": 1.0},
@@ -2080,7 +2083,7 @@ class Engine:
         self.group_sizes = [g for g in PREFILL_GROUPS if g <= batch_buckets[-1]]
         # The largest block each group size is formed in (group_blocks).
         self.group_limits = (dict(GROUP_BLOCKS_CPU) if jax.default_backend() == "cpu"
-                             else dict.fromkeys(PREFILL_GROUPS, GROUP_BLOCK))
+                             else {size: min(GROUP_BLOCK, GROUP_TOKENS // size) for size in PREFILL_GROUPS})
         # What requests may use: WarmUp narrows these while it compiles and widens them part by part.
         # `chunked`: the smallest batch's multi-token decodes exist (until then it decodes a token a step).
         self.ready_batches, self.grouping, self.chunked = list(batch_buckets), bool(self.group_sizes), True

@@ -680,3 +680,28 @@ def test_a_finished_grammars_last_mask_does_not_reach_the_next_request_in_its_ro
     constrained, after, alone = without_prefix_cache(engine, run)
     assert constrained.text == "ab" and constrained.finish_reason == "stop"
     assert after.ids == alone.ids
+
+
+@pytest.mark.device
+def test_an_accelerator_s_large_groups_give_each_prompt_its_own_prefill(engine, monkeypatch):
+    """Off a CPU a wave of newcomers is prefilled in groups of up to 64 (GROUP_TOKENS): 21 prompts go as
+    16 + 4 + 1, and each row holds what keras-hub's prefill of that prompt alone makes."""
+    monkeypatch.setattr(engine, "group_sizes", [2, 4, 8, 16])
+    monkeypatch.setattr(engine, "group_limits", {size: min(serve.GROUP_BLOCK, serve.GROUP_TOKENS // size)
+                                                 for size in serve.PREFILL_GROUPS})
+    assert engine.group_sizes_for(16) == [2, 4, 8, 16]
+    prompts = [[engine.bos] + list(range(2000 + 20 * i, 2000 + 20 * i + 5 + i % 9)) for i in range(21)]
+    rows = [serve.Generation(p, 1, serve.SAMPLER_DEFAULTS["greedy"], 0, [], None) for p in prompts]
+    groups = []
+    with counting(engine, "_prefill_group") as calls:
+        made = without_prefix_cache(engine, lambda: engine.prefills.rows(rows))
+        groups = [len(args[1]) for args in calls]
+    assert groups == [16, 4]  # and the last one alone
+    import jax
+    for prompt, (row, cached) in zip(prompts, made):
+        assert cached == 0
+        for got, want, axis in zip(jax.tree.leaves(row), jax.tree.leaves(plain_prefill(engine, prompt, 16)),
+                                   jax.tree.leaves(engine.axes)):
+            np.testing.assert_allclose(np.take(got, range(len(prompt)), axis), np.take(want, range(len(prompt)), axis),
+                                       atol=1e-5)
+    serve.release_all(rows)
