@@ -3760,10 +3760,11 @@ def chat_completions(server, req):
         raise RequestError(400, "send 'tools' or a structured output ('response_format', 'structured_outputs'), "
                                 "not both")
     messages = body.get("messages")
+    check_tool_results(messages)
     if tools is not None:  # the tools are described to the model in a system message before the conversation
         if not isinstance(messages, list):
             raise RequestError(400, "'messages' must be a non-empty list")
-        messages = [{"role": "system", "content": tools_prompt(body["tools"])}] + messages
+        messages = [{"role": "system", "content": tools_prompt(body["tools"], tools)}] + messages
         grammar = ("tools", tools_grammar(tools))
     prompt = chat_prompt(messages, template)
     matcher = None if grammar is None else compiled_grammar(server, grammar)
@@ -3784,21 +3785,20 @@ def chat_completions(server, req):
                               grammar=matcher, n=n)
     if stream:
         base["object"] = "chat.completion.chunk"
-        events, said = queue.Queue(), collections.defaultdict(list)
+        events, calls = queue.Queue(), collections.defaultdict(ToolCallStream)
 
         def chunk(index, delta, reason=None, entries=None):
             content = {"content": chat_logprobs(engine, entries)} if keep is not None and entries else None
             return base | {"choices": [{"index": index, "delta": delta, "logprobs": content, "finish_reason": reason}]}
 
         def render(index, text, reason, entries):
-            if tools is not None:  # a call is sent whole once complete, as OpenAI's tool_calls delta
-                said[index].append(text)
-                if not reason:
-                    return []
-                message, reason = tool_call_message("".join(said[index]), reason)
-                delta = {"tool_calls": [dict(c, index=i) for i, c in enumerate(message["tool_calls"])]} \
-                    if message.get("tool_calls") else {"content": message["content"]}
-                return [chunk(index, delta, entries=entries), chunk(index, {}, reason)]
+            if tools is not None:  # an answer as content, calls as OpenAI streams them: header, then arguments
+                deltas = calls[index].feed(text)
+                pieces = [chunk(index, delta, entries=entries if i == 0 else None) for i, delta in enumerate(deltas)]
+                if reason:
+                    made = tool_calls_in(calls[index].text) is not None
+                    pieces.append(chunk(index, {}, "tool_calls" if made else reason))
+                return pieces
             pieces = [chunk(index, {"content": text}, entries=entries)] if text or entries else []
             return pieces + ([chunk(index, {}, reason)] if reason else [])
         gens = start(events=events)
@@ -3814,6 +3814,26 @@ def chat_completions(server, req):
         choices.append({"index": g.index, "message": message, "finish_reason": reason, "logprobs": None if keep is None
                         else {"content": chat_logprobs(engine, kept_logprobs(g, engine))}})
     return Reply(payload=base | {"choices": choices, "usage": usage(gens)})
+
+
+def check_tool_results(messages):
+    """A tool message answers a call the conversation made: its 'tool_call_id' must be one of an earlier
+    assistant message's tool_calls ids (what lets a client match results to calls)."""
+    if not isinstance(messages, list):
+        return
+    ids = set()
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            return  # parse_messages says what is wrong with it
+        if message.get("role") == "assistant" and isinstance(message.get("tool_calls"), list):
+            ids.update(c.get("id") for c in message["tool_calls"] if isinstance(c, dict))
+        elif message.get("role") == "tool":
+            call = message.get("tool_call_id")
+            if not isinstance(call, str) or not call:
+                raise RequestError(400, f"messages[{i}]: 'tool_call_id' must be the id of the tool call it answers")
+            if call not in ids:
+                raise RequestError(400, f"messages[{i}]: 'tool_call_id' {call!r} is not the id of any tool call an "
+                                        "earlier assistant message made")
 
 
 def tokenize(server, req):
@@ -4113,7 +4133,9 @@ class ChatError(ValueError):
 
 def message_text(i, message):
     """A message's text: its content (a string, or text parts joined by newlines); an assistant's tool calls
-    as the JSON that serve.py's tool calling makes the model write; a tool's result under a heading."""
+    as the JSON that serve.py's tool calling makes the model write (one call an object, several an array of
+    them; arguments a JSON string as OpenAI sends them, or an object as TRL's datasets hold them); a tool's
+    result under a heading."""
     role, content = message["role"], message.get("content")
     if isinstance(content, list):
         if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
@@ -4130,12 +4152,16 @@ def message_text(i, message):
         for call in calls if isinstance(calls, list) else [None]:
             function = call.get("function") if isinstance(call, dict) else None
             try:
-                written.append(json.dumps({"name": function["name"], "arguments": json.loads(function["arguments"])},
-                                          ensure_ascii=False))
+                arguments = function["arguments"]
+                arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+                if not isinstance(function["name"], str) or not isinstance(arguments, dict):
+                    raise TypeError
+                written.append({"name": function["name"], "arguments": arguments})
             except (TypeError, KeyError, json.JSONDecodeError):
                 raise ChatError(f"messages[{i}]: 'tool_calls' must be a list of {{\"type\": \"function\", \"function\": "
-                                "{\"name\", \"arguments\": a JSON string}}") from None
-        content = "\n".join(([content] if content else []) + written)
+                                "{\"name\", \"arguments\": a JSON object or a JSON string of one}}") from None
+        calls = json.dumps(written[0] if len(written) == 1 else written, ensure_ascii=False)
+        content = "\n".join(([content] if content else []) + [calls])
     return f"Tool result:\n{content}" if role == "tool" else content
 
 
@@ -4485,13 +4511,23 @@ def compiled_grammar(server, grammar):
 
 
 TOOLS_PROMPT = ("You can call these functions. To call one, answer with nothing but a JSON object: "
-                '{{"name": <the function\'s name>, "arguments": <its arguments as a JSON object>}}.\n{functions}')
+                '{{"name": <the function\'s name>, "arguments": <its arguments as a JSON object>}}{several}.'
+                "{answer}\n{functions}")
+TOOLS_SEVERAL = "; to call several, a JSON array of such objects"
+TOOLS_ANSWER = " To answer without calling any, write your answer as plain text."
+
+# The calls are tried as JSON: an object, or with parallel_tool_calls an array of them. With tool_choice "auto"
+# (no tool-call tokens in Gemma to tell a call from an answer) the output is either such a call or plain text
+# that does not start with "{" or "[" (llama.cpp's servers do the like for models without a native format).
+ToolRequest = collections.namedtuple("ToolRequest", "functions auto parallel")
 
 
 def requested_tools(body):
-    """The tools a request must call one of (tool_choice "required" or a named function), or None: no tools,
-    or tool_choice "none". "auto" cannot be honoured, and says why."""
-    tools, choice = body.get("tools"), body.get("tool_choice")
+    """What a request's tools ask for (a ToolRequest: the functions it may call, whether it may answer instead,
+    whether several calls may come), or None: no tools, or tool_choice "none"."""
+    tools, choice, parallel = body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise RequestError(400, "'parallel_tool_calls' must be a boolean")
     if tools is None or tools == []:
         if choice not in (None, "none"):
             raise RequestError(400, "'tool_choice' needs 'tools'")
@@ -4504,13 +4540,9 @@ def requested_tools(body):
                                 "\"description\"?, \"parameters\"?}}")
     if choice == "none":
         return None
-    if choice is None or choice == "auto":
-        raise RequestError(400, "tool_choice 'auto' is not supported: these models have no tool-call tokens, so the "
-                                "server cannot tell a call from an answer. Send tool_choice 'required', or "
-                                "{\"type\": \"function\", \"function\": {\"name\": ...}} for one function, or 'none'")
     functions = [t["function"] for t in tools]
-    if choice == "required":
-        return functions
+    if choice is None or choice in ("auto", "required"):
+        return ToolRequest(functions, choice != "required", parallel)
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
         and isinstance(choice.get("function"), dict) else None
     if name is None:
@@ -4519,34 +4551,122 @@ def requested_tools(body):
     named = [f for f in functions if f["name"] == name]
     if not named:
         raise RequestError(400, f"'tool_choice' names {name}, which is not among 'tools'")
-    return named
+    return ToolRequest(named, False, False)
 
 
-def tools_prompt(tools):
-    return TOOLS_PROMPT.format(functions="\n".join(
-        f"- {t['function']['name']}: {t['function'].get('description') or ''} Arguments (JSON Schema): "
-        f"{json.dumps(t['function'].get('parameters') or {'type': 'object'}, ensure_ascii=False)}" for t in tools))
+def tools_prompt(tools, request=None):
+    """The system text that describes the tools (and, for `request`, how to call several or answer instead)."""
+    return TOOLS_PROMPT.format(
+        several=TOOLS_SEVERAL if request is not None and request.parallel else "",
+        answer=TOOLS_ANSWER if request is not None and request.auto else "", functions="\n".join(
+            f"- {t['function']['name']}: {t['function'].get('description') or ''} Arguments (JSON Schema): "
+            f"{json.dumps(t['function'].get('parameters') or {'type': 'object'}, ensure_ascii=False)}" for t in tools))
 
 
-def tools_grammar(functions):
-    """One call of one of `functions`: {"name": its name, "arguments": what its parameters schema allows}."""
+def tools_grammar(request):
+    """A call of one of the request's functions, {"name": its name, "arguments": what its parameters schema
+    allows}; with `parallel`, or a JSON array of such calls; with `auto`, or else plain text (not starting with
+    "{", "[" or a space, so that a call is told from an answer by its first character)."""
+    import llguidance
     calls = [{"type": "object", "properties": {"name": {"const": f["name"]},
                                                "arguments": f.get("parameters") or {"type": "object"}},
-              "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
-    return schema_grammar(calls[0] if len(calls) == 1 else {"anyOf": calls}, "tools")
+              "required": ["name", "arguments"], "additionalProperties": False} for f in request.functions]
+    call = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    schema = {"anyOf": [call, {"type": "array", "items": call, "minItems": 1}]} if request.parallel else call
+    if not request.auto:
+        return schema_grammar(schema, "tools")
+    schema = dict(schema, **{"x-guidance": JSON_OPTIONS})
+    return llguidance.LLMatcher.grammar_from_lark(
+        f"start: calls | text\ncalls: %json {json.dumps(schema, ensure_ascii=False)}\ntext: /[^\\[{{][\\s\\S]*/\n")
+
+
+def tool_calls_in(text):
+    """The calls a generated text holds, [(name, arguments as a JSON string)], or None: an answer, or a call cut
+    short (by max_tokens)."""
+    if not text.startswith(("{", "[")):
+        return None
+    try:
+        calls = json.loads(text)
+        calls = calls if isinstance(calls, list) else [calls]
+        return [(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return None
+
+
+def call_id():
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def tool_call_message(text, finish_reason):
-    """(assistant message, finish_reason) for generated call text: tool_calls and "tool_calls" once the call
-    is complete; cut short by max_tokens, the text as content and "length"."""
-    try:
-        call = json.loads(text)
-        name, arguments = call["name"], call["arguments"]
-    except (json.JSONDecodeError, KeyError, TypeError):
+    """(assistant message, finish_reason) for generated text: tool_calls and "tool_calls" when it holds complete
+    calls; otherwise (an answer, or a call cut short by max_tokens) the text as content, with its own reason."""
+    calls = tool_calls_in(text)
+    if calls is None:
         return {"role": "assistant", "content": text}, finish_reason
-    return {"role": "assistant", "content": None, "tool_calls": [{
-        "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-        "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}]}, "tool_calls"
+    return {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+        for name, arguments in calls]}, "tool_calls"
+
+
+class ToolCallStream:
+    """A generated text, piece by piece, as OpenAI streams an assistant's turn: an answer as `content` deltas;
+    calls as `tool_calls` deltas, each first with its index, id and name, then its arguments in fragments as
+    they are made. The grammar fixes a call's layout ({"name": "...", "arguments": ...}, in that order, with
+    json.dumps' separators), so a scan that follows JSON's strings and nesting finds each part."""
+    NAME, ARGUMENTS = '{"name": ', ', "arguments": '
+
+    def __init__(self):
+        self.text, self.scanned, self.mode = "", 0, None  # mode: "content" or "calls", from the first character
+        self.depth, self.in_string, self.escaped = 0, False, False
+        self.calls = []  # per call: {"depth" of its object, "start", "arguments" (where they start), "sent" up to}
+
+    def feed(self, piece):
+        """The deltas for one more piece of text."""
+        self.text += piece
+        if self.mode is None and self.text:
+            self.mode = "calls" if self.text[0] in "{[" else "content"
+        if self.mode == "content":
+            return [{"content": piece}] if piece else []
+        deltas = []
+        while self.scanned < len(self.text):
+            deltas += self.step(self.text[self.scanned], self.scanned)
+            self.scanned += 1
+        return deltas + self.fragment(len(self.text))
+
+    def step(self, char, at):
+        if self.in_string:
+            self.in_string = not (char == '"' and not self.escaped)
+            self.escaped = char == "\\" and not self.escaped
+            return []
+        if char == '"':
+            self.in_string = True
+        elif char in "{[":
+            self.depth += 1
+            if char == "{" and self.depth == (2 if self.text[0] == "[" else 1):
+                self.calls.append({"depth": self.depth, "start": at, "arguments": None, "sent": None})
+        elif char in "}]":
+            self.depth -= 1
+            if self.calls and char == "}" and self.depth == self.calls[-1]["depth"] - 1:
+                deltas = self.fragment(at)  # its arguments end before the call's closing brace
+                self.calls[-1]["sent"] = float("inf")
+                return deltas
+        call = self.calls[-1] if self.calls else None
+        if call is not None and call["arguments"] is None:
+            marker = self.text.find(self.ARGUMENTS, call["start"], at + 1)
+            if marker >= 0 and marker + len(self.ARGUMENTS) <= at + 1:  # its name is whole: the call's header
+                call["arguments"] = call["sent"] = marker + len(self.ARGUMENTS)
+                name = json.loads(self.text[call["start"] + len(self.NAME):marker])
+                return [{"tool_calls": [{"index": len(self.calls) - 1, "id": call_id(), "type": "function",
+                                         "function": {"name": name, "arguments": ""}}]}]
+        return []
+
+    def fragment(self, end):
+        """The current call's arguments made since its last fragment, up to `end`."""
+        call = self.calls[-1] if self.calls else None
+        if call is None or call["arguments"] is None or call["sent"] >= end:
+            return []
+        piece, call["sent"] = self.text[call["sent"]:end], end
+        return [{"tool_calls": [{"index": len(self.calls) - 1, "function": {"arguments": piece}}]}]
 
 
 def release_all(gens):

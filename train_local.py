@@ -315,7 +315,9 @@ class ChatError(ValueError):
 
 def message_text(i, message):
     """A message's text: its content (a string, or text parts joined by newlines); an assistant's tool calls
-    as the JSON that serve.py's tool calling makes the model write; a tool's result under a heading."""
+    as the JSON that serve.py's tool calling makes the model write (one call an object, several an array of
+    them; arguments a JSON string as OpenAI sends them, or an object as TRL's datasets hold them); a tool's
+    result under a heading."""
     role, content = message["role"], message.get("content")
     if isinstance(content, list):
         if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
@@ -332,12 +334,16 @@ def message_text(i, message):
         for call in calls if isinstance(calls, list) else [None]:
             function = call.get("function") if isinstance(call, dict) else None
             try:
-                written.append(json.dumps({"name": function["name"], "arguments": json.loads(function["arguments"])},
-                                          ensure_ascii=False))
+                arguments = function["arguments"]
+                arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+                if not isinstance(function["name"], str) or not isinstance(arguments, dict):
+                    raise TypeError
+                written.append({"name": function["name"], "arguments": arguments})
             except (TypeError, KeyError, json.JSONDecodeError):
                 raise ChatError(f"messages[{i}]: 'tool_calls' must be a list of {{\"type\": \"function\", \"function\": "
-                                "{\"name\", \"arguments\": a JSON string}}") from None
-        content = "\n".join(([content] if content else []) + written)
+                                "{\"name\", \"arguments\": a JSON object or a JSON string of one}}") from None
+        calls = json.dumps(written[0] if len(written) == 1 else written, ensure_ascii=False)
+        content = "\n".join(([content] if content else []) + [calls])
     return f"Tool result:\n{content}" if role == "tool" else content
 
 

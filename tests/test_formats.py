@@ -232,3 +232,19 @@ def test_tool_calls_and_results_render_as_serving_makes_and_reads_them(tmp_path)
         "name": "f", "arguments": "{broken"}}]}])
     with pytest.raises(train_local.UserError, match="'tool_calls' must be a list"):
         train_local.load_data(args_for(write(tmp_path, [bad])))
+
+
+def test_several_tool_calls_and_trl_s_object_arguments_render_as_the_model_writes_them():
+    """Several calls of one turn are the JSON array parallel tool calling lets the model write; TRL's datasets
+    hold arguments as objects, OpenAI sends them as JSON strings: both render the same, in both scripts."""
+    calls = [{"type": "function", "function": {"name": "get_time", "arguments": {"zone": "UTC"}}},
+             {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "CET"}'}}]
+    text = '[{"name": "get_time", "arguments": {"zone": "UTC"}}, {"name": "get_time", "arguments": {"zone": "CET"}}]'
+    for script in (train_local, serve):
+        assert script.message_text(1, {"role": "assistant", "content": None, "tool_calls": calls}) == text
+        assert script.message_text(1, {"role": "assistant", "tool_calls": calls[:1]}) == \
+            '{"name": "get_time", "arguments": {"zone": "UTC"}}'
+        with pytest.raises(script.ChatError, match=r"messages\[1\]: 'tool_calls' must be"):
+            script.message_text(1, {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]})
+    assert [(n, json.loads(a)) for n, a in serve.tool_calls_in(text)] == [("get_time", {"zone": "UTC"}),
+                                                                          ("get_time", {"zone": "CET"})]

@@ -145,16 +145,17 @@ def test_the_token_table_is_built_once_by_the_first_request_that_wants_it(tools_
 def test_forced_tool_calls_answer_with_tool_calls(tools_server, tool_choice, names):
     server = tools_server
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
-    choice = chat(server, {"tools": [WEATHER, TIME], "tool_choice": tool_choice}, messages=messages)
+    forced = {"tools": [WEATHER, TIME], "tool_choice": tool_choice, "parallel_tool_calls": False}  # one call
+    choice = chat(server, forced, messages=messages)
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, choice
     [call] = choice["message"]["tool_calls"]
     assert call["type"] == "function" and call["id"].startswith("call_") and call["function"]["name"] in names
     schema = {"get_weather": WEATHER, "get_time": TIME}[call["function"]["name"]]["function"]["parameters"]
     jsonschema.validate(json.loads(call["function"]["arguments"]), schema)
-    chunks = streamed_chat(server, {"tools": [WEATHER, TIME], "tool_choice": tool_choice}, messages=messages)
-    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
-    [streamed] = [d["tool_calls"] for d in deltas if d.get("tool_calls")]
-    assert streamed[0]["index"] == 0 and streamed[0]["function"] == call["function"]
+    chunks = streamed_chat(server, forced, messages=messages)
+    deltas = [d for c in chunks if c["choices"] for d in c["choices"][0]["delta"].get("tool_calls") or []]
+    assert deltas[0]["index"] == 0 and deltas[0]["function"]["name"] == call["function"]["name"]
+    assert "".join(d["function"]["arguments"] for d in deltas) == call["function"]["arguments"]
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]] \
         == ["tool_calls"]
     # The call and its result go back into the conversation, rendered as text the model can read.
@@ -180,8 +181,15 @@ def test_tool_choice_none_is_no_tools_and_the_prompt_describes_tools(server):
     ({"structured_outputs": {"choice": []}}, 400, "non-empty list"),
     ({"response_format": {"type": "xml"}}, 400, "'response_format' must be"),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, 400, "not both"),
-    ({"tools": [WEATHER], "tool_choice": "auto"}, 400, "tool_choice 'auto' is not supported"),
-    ({"tools": [WEATHER]}, 400, "tool_choice 'auto' is not supported"),
+    ({"tools": [WEATHER], "tool_choice": "auto", "parallel_tool_calls": "yes"}, 400, "'parallel_tool_calls' must be"),
+    ({"tools": [WEATHER], "messages": MESSAGES + [{"role": "tool", "content": "x"}]}, 400,
+     "messages[1]: 'tool_call_id' must be"),
+    ({"tools": [WEATHER], "messages": MESSAGES + [{"role": "tool", "tool_call_id": "call_9", "content": "x"}]}, 400,
+     "'call_9' is not the id of any tool call"),
+    ({"messages": MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [{"id": "call_9", "type": "function",
+                                "function": {"name": "get_weather", "arguments": "{}"}}]},
+                              {"role": "tool", "tool_call_id": "call_9", "content": 7}]}, 400,
+     "messages[2]: 'content' must be a string"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400, "not among"),
     ({"tools": [{"type": "function"}], "tool_choice": "required"}, 400, "'tools' must be"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, 400, "not both"),
@@ -243,7 +251,7 @@ def grammar_engine(trained_model):
 
 
 ENGINE_FORMS = [FORMS["json_schema"], FORMS["regex"], FORMS["choice"],
-                ({"tools": serve.tools_grammar([WEATHER["function"], TIME["function"]])},
+                ({"tools": serve.tools_grammar(serve.ToolRequest([WEATHER["function"], TIME["function"]], False, False))},
                  lambda text: serve.tool_call_message(text, "stop")[0]["content"] is None)]
 
 
@@ -314,3 +322,90 @@ def test_grammar_rows_keep_multi_token_dispatches_and_answer_as_a_token_a_step(g
     if sampling["temperature"] <= 0 or sampling["top_p"] >= 1:  # their later tokens were checked, some dropped
         assert serve.METRICS.grammar_dropped > dropped
         assert any(voided) == ahead  # dispatched ahead, some drops voided the chunk in flight
+
+
+def opening(model_dir, characters):
+    """logit_bias entries for every token whose text starts with one of `characters`: how a test forces a
+    call ("{", "[") or an answer (pushing both away) out of a random model."""
+    import sentencepiece
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(model_dir / "assets" / "tokenizer" / "vocabulary.spm"))
+    starts = tuple(characters) + tuple(f"<0x{ord(c):02X}>" for c in characters)  # a byte-fallback piece too
+    return [str(i) for i in range(sp.get_piece_size()) if sp.id_to_piece(i).startswith(starts)]
+
+
+def auto_chat(server, bias, stream=False, **fields):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    extra = {"tools": [WEATHER, TIME], "logit_bias": bias} | fields  # no tool_choice: "auto"
+    return (streamed_chat if stream else chat)(server, extra, messages=messages, max_tokens=200)
+
+
+def test_tool_choice_auto_reaches_both_a_call_and_an_answer(tools_server, trained_model):
+    calls = dict.fromkeys(opening(trained_model, "{"), 100)
+    called = auto_chat(tools_server, calls)
+    assert called["finish_reason"] == "tool_calls" and called["message"]["content"] is None, called
+    for call in called["message"]["tool_calls"]:
+        schema = {"get_weather": WEATHER, "get_time": TIME}[call["function"]["name"]]["function"]["parameters"]
+        jsonschema.validate(json.loads(call["function"]["arguments"]), schema)
+    answer = auto_chat(tools_server, dict.fromkeys(opening(trained_model, "{["), -100))
+    assert answer["finish_reason"] in ("stop", "length") and "tool_calls" not in answer["message"], answer
+    assert answer["message"]["content"] and answer["message"]["content"][0] not in "{["
+    # The call and its result go back into the conversation, and the model answers from there.
+    [first] = called["message"]["tool_calls"][:1]
+    follow_up = [{"role": "user", "content": "What is the weather in Paris?"}, called["message"],
+                 {"role": "tool", "tool_call_id": first["id"], "content": "18 C"}]
+    after = chat(tools_server, {"tools": [WEATHER, TIME]}, messages=follow_up, max_tokens=8)
+    assert after["finish_reason"] in ("stop", "length", "tool_calls")
+
+
+def test_parallel_tool_calls_allows_an_array_of_calls_and_false_allows_one(tools_server, trained_model):
+    arrays = dict.fromkeys(opening(trained_model, "["), 100)
+    several = auto_chat(tools_server, arrays)  # the bias pushes "[" at every token: the array may run to max_tokens
+    assert several["message"].get("tool_calls") or several["message"]["content"].startswith('[{"name": "'), several
+    single = auto_chat(tools_server, arrays, parallel_tool_calls=False)  # "[" is not allowed: a call or an answer
+    assert len(single["message"].get("tool_calls") or [None]) == 1
+    if single["message"].get("content"):
+        assert not single["message"]["content"].startswith("[")
+    # What each form admits, token by token (the random model need not write two calls by itself).
+    engine_tokens = serve.grammar_tokenizer(*grammar_vocabulary(trained_model))
+    import llguidance
+    two = '[{"name": "get_time", "arguments": {"zone": "UTC"}}, {"name": "get_time", "arguments": {"zone": "CET"}}]'
+    for parallel, auto, text, whole in [(True, True, two, True), (False, True, two, False), (True, False, two, True),
+                                        (True, True, "It is sunny.", True), (True, False, "It is sunny.", False)]:
+        grammar = serve.tools_grammar(serve.ToolRequest([WEATHER["function"], TIME["function"]], auto, parallel))
+        matcher = llguidance.LLMatcher(engine_tokens, grammar, log_level=0)
+        ids = grammar_vocabulary.encode(text)
+        assert (matcher.validate_tokens(ids) == len(ids)) == whole, (parallel, auto, text)
+    assert [(n, json.loads(a)) for n, a in serve.tool_calls_in(two)] == [("get_time", {"zone": "UTC"}),
+                                                                         ("get_time", {"zone": "CET"})]
+
+
+def grammar_vocabulary(model_dir):
+    """(tokenizer, vocabulary size, stop ids) of a model dir, as the server builds its grammar table from."""
+    if not hasattr(grammar_vocabulary, "cached"):
+        model, _, _ = serve.load_model(serve.parse_args(["--model", str(model_dir)]))
+        tokenizer = model.preprocessor.tokenizer
+        grammar_vocabulary.encode = serve.make_text_codec(tokenizer)[0]
+        grammar_vocabulary.cached = (tokenizer, model.backbone.vocabulary_size, {tokenizer.end_token_id})
+    return grammar_vocabulary.cached
+
+
+def test_streamed_tool_calls_rebuild_in_the_openai_client(tools_server, trained_model):
+    """Calls stream as OpenAI streams them: a delta with the call's index, id and name, then its arguments in
+    fragments; the openai client's stream helper rebuilds the same calls as the plain answer's."""
+    import openai
+    client = openai.OpenAI(base_url=tools_server.url + "/v1", api_key="unused")
+    ask = dict(model="model", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER, TIME],
+               max_tokens=200, temperature=0, logit_bias=dict.fromkeys(opening(trained_model, "{"), 100))
+    plain = client.chat.completions.create(**ask)
+    with client.chat.completions.stream(**ask) as stream:
+        final = stream.get_final_completion()
+    want = [(c.function.name, c.function.arguments) for c in plain.choices[0].message.tool_calls]
+    assert [(c.function.name, c.function.arguments) for c in final.choices[0].message.tool_calls] == want
+    assert final.choices[0].finish_reason == "tool_calls"
+    chunks = auto_chat(tools_server, ask["logit_bias"], stream=True, temperature=0)
+    deltas = [d for c in chunks if c["choices"] for d in c["choices"][0]["delta"].get("tool_calls") or []]
+    assert deltas[0]["id"].startswith("call_") and deltas[0]["function"]["name"] == want[0][0]
+    assert len(deltas) > 2 and all("id" not in d for d in deltas[1:] if d["index"] == 0)  # then fragments
+    # An answer streams as content.
+    text = auto_chat(tools_server, dict.fromkeys(opening(trained_model, "{["), -100), stream=True)
+    assert any(c["choices"] and c["choices"][0]["delta"].get("content") for c in text)
