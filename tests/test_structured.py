@@ -409,3 +409,16 @@ def test_streamed_tool_calls_rebuild_in_the_openai_client(tools_server, trained_
     # An answer streams as content.
     text = auto_chat(tools_server, dict.fromkeys(opening(trained_model, "{["), -100), stream=True)
     assert any(c["choices"] and c["choices"][0]["delta"].get("content") for c in text)
+
+
+def test_langchain_bind_tools_invokes_and_streams_calls(tools_server, trained_model):
+    from langchain_openai import ChatOpenAI
+    llm = ChatOpenAI(model="model", base_url=tools_server.url + "/v1", api_key="unused", temperature=0,
+                     max_tokens=200, logit_bias={int(i): 100 for i in opening(trained_model, "{")})
+    bound = llm.bind_tools([WEATHER, TIME])
+    message = bound.invoke("Weather in Paris?")
+    assert message.tool_calls and message.tool_calls[0]["name"] in ("get_weather", "get_time"), message
+    streamed = None
+    for chunk in bound.stream("Weather in Paris?"):
+        streamed = chunk if streamed is None else streamed + chunk
+    assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [(c["name"], c["args"]) for c in message.tool_calls]
