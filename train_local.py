@@ -13,6 +13,7 @@ throughput are reported honestly. Options that change what is trained are flags 
     python3 train_local.py --model DIR --data FILE.jsonl     # offline, any Gemma preset
 """
 import argparse
+import collections
 import functools
 import json
 import math
@@ -396,13 +397,57 @@ def render_chat(messages, template, last_role="user"):
     return segments
 
 
+# Tool use (TRL's tool-calling data sets: a `tools` column beside `messages`): the tools are described in a
+# system message before the conversation, in serve.py's words for a request with tools and its defaults
+# (tool_choice "auto", parallel_tool_calls true), so a tuned model sees at training what it sees when served.
+TOOLS_PROMPT = ("You can call these functions. To call one, answer with nothing but a JSON object: "
+                '{{"name": <the function\'s name>, "arguments": <its arguments as a JSON object>}}{several}.'
+                "{answer}\n{functions}")
+TOOLS_SEVERAL = "; to call several, a JSON array of such objects"
+TOOLS_ANSWER = " To answer without calling any, write your answer as plain text."
+
+ToolRequest = collections.namedtuple("ToolRequest", "functions auto parallel")
+
+
+def tools_prompt(tools, request=None):
+    """The system text that describes the tools (and, for `request`, how to call several or answer instead)."""
+    return TOOLS_PROMPT.format(
+        several=TOOLS_SEVERAL if request is not None and request.parallel else "",
+        answer=TOOLS_ANSWER if request is not None and request.auto else "", functions="\n".join(
+            f"- {t['function']['name']}: {t['function'].get('description') or ''} Arguments (JSON Schema): "
+            f"{json.dumps(t['function'].get('parameters') or {'type': 'object'}, ensure_ascii=False)}" for t in tools))
+
+
+def record_tools(record):
+    """The functions of a record's `tools` column (a list, or a JSON string of one, of OpenAI function specs),
+    or None."""
+    tools = record.get("tools")
+    if tools is None:
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError:
+            raise BadRecord("'tools' is a string that is not JSON") from None
+    if not isinstance(tools, list) or not all(
+            isinstance(t, dict) and t.get("type", "function") == "function" and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str) for t in tools):
+        raise BadRecord("'tools' must be a list of {\"type\": \"function\", \"function\": {\"name\", \"parameters\"?}}")
+    return tools
+
+
 def messages_example(record, args, messages=None):
     """A conversation (OpenAI fine-tuning files, TRL's conversational data sets), rendered by the very
-    renderer serve.py's chat completions use, so it tokenizes the same in training and serving."""
+    renderer serve.py's chat completions use, so it tokenizes the same in training and serving. A `tools`
+    column is described first, as serve.py describes a request's tools."""
     if messages is None:
         if "messages" not in record:
             raise BadRecord("missing field 'messages'")
         messages = record["messages"]
+    tools = record_tools(record)
+    if tools and isinstance(messages, list):
+        request = ToolRequest([t["function"] for t in tools], True, True)
+        messages = [{"role": "system", "content": tools_prompt(tools, request)}] + messages
     try:
         parsed = parse_messages(messages)
         segments = render_chat(parsed, TEMPLATES[args.template], last_role="assistant")

@@ -8,6 +8,9 @@ the same files.
   shapes chat logs have: system and developer messages, text-part lists, follow-up questions that only
   make sense with the earlier turns, and assistant turns marked "weight": 0 (context, not taught). The
   assistant has one house style to learn: short answers that end with "Anything else?".
+- tool_sample.jsonl: tool use in TRL's format: a `tools` column (OpenAI function specs), assistant turns
+  with `tool_calls` (arguments as objects), `tool` turns with the results, and the answer after them;
+  some questions need no tool and are answered directly, so a tuned model learns when to call.
 
     python3 scripts/make_sample_data.py [DIR]
 """
@@ -195,6 +198,49 @@ def make_conversations(rng, n=240):
     return out
 
 
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city.",
+                                          "parameters": {"type": "object", "properties": {
+                                              "city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+                                              "required": ["city", "unit"], "additionalProperties": False}}},
+         {"type": "function", "function": {"name": "get_time", "description": "The local time in a city.",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"], "additionalProperties": False}}}]
+WEATHER_ASKS = ["What is the weather in {city}?", "Is it cold in {city} right now?", "How warm is it in {city}?",
+                "Tell me the weather in {city}, please.", "Do I need an umbrella in {city} today?"]
+TIME_ASKS = ["What time is it in {city}?", "Tell me the local time in {city}.", "Is it late in {city} now?"]
+PLAIN_ASKS = [("What is the capital of {country}?", "The capital of {country} is {city}."),
+              ("Which country is {city} in?", "{city} is in {country}.")]
+
+
+def make_tool_conversations(rng, n=48):
+    """Tool use as TRL's tool-calling data sets hold it; a third are questions answered without a tool."""
+    out, places = [], list(CAPITALS.items())
+    for i in range(n):
+        country, city = rng.choice(places)
+        kind = i % 3
+        if kind == 2:
+            ask, answer = rng.choice(PLAIN_ASKS)
+            messages = [{"role": "user", "content": ask.format(city=city, country=country)},
+                        {"role": "assistant", "content": answer.format(city=city, country=country)}]
+        elif kind == 0:
+            degrees, unit = rng.randint(-5, 30), rng.choice(["celsius", "fahrenheit"])
+            shown = degrees if unit == "celsius" else round(degrees * 9 / 5 + 32)
+            messages = [{"role": "user", "content": rng.choice(WEATHER_ASKS).format(city=city)},
+                        {"role": "assistant", "tool_calls": [{"type": "function", "function": {
+                            "name": "get_weather", "arguments": {"city": city, "unit": unit}}}]},
+                        {"role": "tool", "name": "get_weather", "content": f"{shown} degrees, cloudy"},
+                        {"role": "assistant", "content": f"It is {shown} degrees and cloudy in {city}."}]
+        else:
+            hour, minute = rng.randint(0, 23), rng.choice([0, 15, 30, 45])
+            messages = [{"role": "user", "content": rng.choice(TIME_ASKS).format(city=city)},
+                        {"role": "assistant", "tool_calls": [{"type": "function", "function": {
+                            "name": "get_time", "arguments": {"city": city}}}]},
+                        {"role": "tool", "name": "get_time", "content": f"{hour:02d}:{minute:02d}"},
+                        {"role": "assistant", "content": f"It is {hour:02d}:{minute:02d} in {city}."}]
+        out.append({"tools": TOOLS, "messages": messages})
+    return out
+
+
 def write_jsonl(path, records):
     with open(path, "w", encoding="utf-8") as f:
         for r in records:
@@ -206,6 +252,7 @@ def main():
     out = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).parent.parent / "tests/data")
     write_jsonl(out / "dolly_sample.jsonl", make_records(random.Random(15)))
     write_jsonl(out / "chat_sample.jsonl", make_conversations(random.Random(16)))
+    write_jsonl(out / "tool_sample.jsonl", make_tool_conversations(random.Random(17)))
 
 
 if __name__ == "__main__":

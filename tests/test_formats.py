@@ -9,7 +9,7 @@ import sentencepiece as spm
 
 import serve
 import train_local
-from conftest import CHAT_DATA
+from conftest import CHAT_DATA, REPO
 
 GEMMA = train_local.TEMPLATES["gemma-chat"]
 
@@ -157,9 +157,11 @@ def test_conversations_render_exactly_as_serve_renders_them():
 
 def test_chat_and_lora_helpers_are_the_same_in_both_scripts():
     for name in ("ChatError", "message_text", "parse_messages", "render_chat", "parse_lora_modules",
-                 "keras_lora_scale"):
+                 "keras_lora_scale", "tools_prompt"):
         assert inspect.getsource(getattr(serve, name)) == inspect.getsource(getattr(train_local, name)), name
     assert serve.CHAT_ROLES == train_local.CHAT_ROLES and serve.TEMPLATES == train_local.TEMPLATES
+    assert (serve.TOOLS_PROMPT, serve.TOOLS_SEVERAL, serve.TOOLS_ANSWER, serve.ToolRequest._fields) == \
+        (train_local.TOOLS_PROMPT, train_local.TOOLS_SEVERAL, train_local.TOOLS_ANSWER, train_local.ToolRequest._fields)
     assert serve.DEFAULT_LORA_MODULES == train_local.DEFAULT_LORA_MODULES
 
 
@@ -248,3 +250,29 @@ def test_several_tool_calls_and_trl_s_object_arguments_render_as_the_model_write
             script.message_text(1, {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]})
     assert [(n, json.loads(a)) for n, a in serve.tool_calls_in(text)] == [("get_time", {"zone": "UTC"}),
                                                                           ("get_time", {"zone": "CET"})]
+
+
+def test_a_tools_column_is_described_as_serving_describes_a_request_s_tools(tmp_path):
+    """TRL's tool-calling records: the text before each assistant turn is the prompt serve.py builds for that
+    conversation sent with the same `tools` (tool_choice auto, parallel calls: its defaults); the call is
+    taught as the JSON the server constrains the model to, and with --loss-on response only the assistant's
+    turns (calls and answers) are scored."""
+    [record] = [json.loads(line) for line in (REPO / "tests/data/tool_sample.jsonl").read_text().splitlines()[:1]]
+    assert record["messages"][1]["tool_calls"] and record["messages"][2]["role"] == "tool"
+    [example], _ = train_local.load_data(args_for(write(tmp_path, [record]), "--template", "gemma-chat"))
+    template = dict(GEMMA, name="gemma-chat")
+    body = {"tools": record["tools"], "messages": record["messages"][:1]}
+    served = [{"role": "system", "content": serve.tools_prompt(record["tools"], serve.requested_tools(body))}]
+    assert "".join(text for text, _ in example[:1]) == serve.chat_prompt(served + record["messages"][:1], template)
+    call = record["messages"][1]["tool_calls"][0]["function"]
+    assert example[1] == (json.dumps({"name": call["name"], "arguments": call["arguments"]}) + "<end_of_turn>",
+                          "answer")
+    assert [kind for _, kind in example] == ["prompt", "answer", "prompt", "answer"]
+    # The follow-up prompt, after the tool's result, is what serving renders for the conversation so far.
+    call_id = {"id": "call_1", **record["messages"][1]["tool_calls"][0]}
+    so_far = record["messages"][:1] + [dict(record["messages"][1], tool_calls=[call_id])] + \
+        [dict(record["messages"][2], tool_call_id="call_1")]
+    assert "".join(text for text, _ in example[:3]) == serve.chat_prompt(served + so_far, template)
+    for bad, words in ((dict(record, tools="{not json"), "not JSON"), (dict(record, tools=[{"type": "x"}]), "'tools'")):
+        with pytest.raises(train_local.UserError, match=words):
+            train_local.load_data(args_for(write(tmp_path, [bad])))

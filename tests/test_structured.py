@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 import serve
-from conftest import http
+from conftest import REPO, http
+
+TOOL_DATA = REPO / "tests" / "data" / "tool_sample.jsonl"
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 12},
@@ -422,3 +424,28 @@ def test_langchain_bind_tools_invokes_and_streams_calls(tools_server, trained_mo
     for chunk in bound.stream("Weather in Paris?"):
         streamed = chunk if streamed is None else streamed + chunk
     assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [(c["name"], c["args"]) for c in message.tool_calls]
+
+
+@pytest.fixture(scope="module")
+def tool_server(tmp_path_factory, tiny_model, run_train, start_server):
+    """The tiny Gemma tuned on tests/data/tool_sample.jsonl (TRL's tool-calling format), served."""
+    out = tmp_path_factory.mktemp("tools") / "model"
+    run_train("--model", tiny_model, "--data", TOOL_DATA, "--eval-examples", 0, "--epochs", 6, "--learning-rate",
+              1e-2, "--loss-on", "response", "--template", "gemma-chat", "--output", out, check=True)
+    return start_server(out, "--length-buckets", "64,768", "--max-batch-size", "2")
+
+
+def test_a_model_tuned_on_tool_use_calls_the_tools_it_was_taught(tool_server):
+    """Held-out questions (cities the sample never asks about), tools sent as TRL's column had them and no
+    tool_choice: the tuned model opens a call, whose name and arguments the grammar keeps valid."""
+    tools = json.loads(TOOL_DATA.read_text().splitlines()[0])["tools"]
+    asked = ["What is the weather in Oslo?", "Is it cold in Lima right now?", "What time is it in Quito?"]
+    opened = 0
+    for question in asked:
+        choice = chat(tool_server, {"tools": tools}, messages=[{"role": "user", "content": question}], max_tokens=160)
+        text = choice["message"]["content"] or ""
+        for call in choice["message"].get("tool_calls") or []:
+            spec = next(t["function"] for t in tools if t["function"]["name"] == call["function"]["name"])
+            jsonschema.validate(json.loads(call["function"]["arguments"]), spec["parameters"])
+        opened += bool(choice["message"].get("tool_calls")) or text.startswith('{"name": "get_')
+    assert opened >= 2, opened
