@@ -741,9 +741,15 @@ class MemoryLog:
 
 def release_freed_memory():
     """Hands memory freed by quantizing back to the OS: glibc keeps it otherwise, and RSS would not shrink."""
-    import ctypes
     import gc
     gc.collect()
+    trim_heap()
+
+
+def trim_heap():
+    """glibc's malloc_trim: the free pages of every arena back to the OS. Without a garbage collection (which
+    would hold the GIL from the decode loop), so a request handler may call it."""
+    import ctypes
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc (macOS): nothing to trim
@@ -3658,6 +3664,7 @@ def load_lora_adapter(server, req):
     except AdapterError as e:
         raise RequestError(e.status, f"adapter {name}: {e}", "not_found_error" if e.status == 404 else
                            "invalid_request_error") from None
+    trim_heap()  # reading it (h5py, numpy) freed memory in this handler thread's arena, which glibc keeps
     log(f"adapter {name}: loaded from {path} into slot {adapter.slot} ({describe(adapter)})")
     return Reply(payload={"id": name, "object": "model", "root": adapter.path, "parent": server.model_name,
                           "status": "loaded"})
@@ -3673,6 +3680,7 @@ def unload_lora_adapter(server, req):
         slots.unload(name)
     except AdapterError as e:
         raise RequestError(e.status, str(e), "not_found_error", code="model_not_found") from None
+    trim_heap()  # its slot's host copies, when its last request has ended (and those of requests before)
     log(f"adapter {name}: unloaded")
     return Reply(payload={"id": name, "object": "model", "status": "unloaded"})
 
