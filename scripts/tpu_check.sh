@@ -202,4 +202,15 @@ print(f'bytecode written: {not sys.dont_write_bytecode}', *sorted(lines, key=lam
   *) echo "unknown stage $stage (tests, train, serve, restart, load, bench)"; exit 2 ;;
   esac
 done
+# The numbers the README's "Checked on a TPU v5e" paragraph quotes, from this call's logs (issue #49): copy them.
+row ""
+row "README numbers ($(git rev-parse --short HEAD 2>/dev/null), $(date -u +%Y-%m-%d)):"
+[ -f "$out/tests.log" ] && row "- device tests: $(grep -E '^[0-9]+ (passed|failed)|^=+ .*(passed|failed|error)' "$out/tests.log" | tail -1 | tr -d '=')"
+for log in "$out/serve.log" "$out/load_serve.log"; do
+  [ -f "$log" ] || continue
+  row "- $(basename "$log" .log): $(grep -oE 'ready on .* after [0-9.]+s' "$log" | head -1); full warm-up $(grep -oE 'XLA compilations in all .* in [0-9.]+s' "$log" | grep -oE '[0-9.]+s$' | tail -1)"
+done
+[ -f "$out/uds_check.log" ] && grep -E '^\| (1|64) \|' "$out/uds_check.log" | sed 's/^/- clients: /' | tee -a "$summary"
+grep -hE '^generate:' "$out"/bench_*.log 2>/dev/null | sed 's/^/- /' | tee -a "$summary"
+[ -f "$out/load.log" ] && grep -E '^\| [0-9]+ \|' "$out/load.log" | sed 's/^/- load: /' | tee -a "$summary"
 row "total: $((SECONDS - started))s of ${budget}s"
