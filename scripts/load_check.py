@@ -15,16 +15,12 @@ measured alone in the same run, and the server's share of it. Standard library o
 Exit 1 if a request failed or anything compiled on a request's behalf.
 """
 import argparse
-import concurrent.futures
 import json
-import random
 import re
 import sys
 import time
 
-from uds_check import UnixConnection, percentile, request, wait_compiled
-
-WORDS = "the river valley canal town boats rail museum history people water bridge summer market".split()
+from uds_check import greedy_bodies, percentile, request, run_clients, stream, wait_compiled
 
 
 def parse_args():
@@ -49,58 +45,17 @@ def scrape(sock):
     return out
 
 
-def stream(sock, body):
-    """(seconds to the first token, completion tokens, retries) of a streamed completion; 503s retried."""
-    started, retries = time.perf_counter(), 0
-    while True:
-        connection = UnixConnection(sock)
-        try:
-            connection.request("POST", "/v1/completions", headers={"Content-Type": "application/json"},
-                               body=json.dumps(body | {"stream": True, "stream_options": {"include_usage": True}}))
-            response = connection.getresponse()
-            if response.status == 503:
-                retries += 1
-                time.sleep(min(float(response.headers.get("Retry-After", 1)), 1.0) * random.random())
-                continue
-            if response.status != 200:
-                raise RuntimeError(f"status {response.status}: {response.read()[:200]!r}")
-            first, tokens = None, 0
-            for line in response:
-                if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                if first is None and event.get("choices") and event["choices"][0].get("text"):
-                    first = time.perf_counter() - started
-                if event.get("usage"):
-                    tokens = event["usage"]["completion_tokens"]
-            return first if first is not None else time.perf_counter() - started, tokens, retries
-        finally:
-            connection.close()
-
-
 def level(sock, clients, rounds, max_tokens):
-    rng = random.Random(clients)
-    bodies = [{"prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(30, 60))), "max_tokens": max_tokens,
-               "temperature": 0, "ignore_eos": True} for _ in range(clients * rounds)]
-
-    def client(i):
-        out = []
-        for body in bodies[i::clients]:
-            try:
-                out.append(stream(sock, body))
-            except Exception as e:  # counted: the row says how many
-                out.append(e)
-        return out
+    bodies = greedy_bodies(clients, rounds, max_tokens, (30, 60))
     before, started = scrape(sock), time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
-        results = [r for rs in pool.map(client, range(clients)) for r in rs]
+    results = run_clients(clients, bodies, lambda body: stream(sock, body, retry_busy=True))
     seconds, after = time.perf_counter() - started, scrape(sock)
     good = [r for r in results if not isinstance(r, Exception)]
     ttft = [r[0] for r in good] or [float("nan")]
     delta = {k: after[k] - before.get(k, 0.0) for k in after}
     return {"clients": clients, "requests": len(results), "errors": len(results) - len(good),
             "first_error": next((repr(r)[:200] for r in results if isinstance(r, Exception)), ""),
-            "retries": sum(r[2] for r in good), "seconds": seconds, "tokens_per_second": sum(r[1] for r in good) / seconds,
+            "retries": sum(r[3] for r in good), "seconds": seconds, "tokens_per_second": sum(r[1] for r in good) / seconds,
             "ttft_p50_ms": percentile(ttft, 0.5) * 1000, "ttft_p99_ms": percentile(ttft, 0.99) * 1000,
             "metrics": delta, "batch_sizes": {k: v for k, v in delta.items() if k.startswith("serve_batches_total")}}
 

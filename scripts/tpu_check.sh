@@ -60,6 +60,14 @@ if [ -d /opt/pypi/simple ] && ! python3 -c "import matplotlib, jsonschema" 2>/de
 fi
 
 left() { echo $((budget - (SECONDS - started))); }
+# Until the server on $sock answers /health with 200 (true), or has exited or the time is nearly spent (false).
+wait_healthy() {
+  while [ "$(left)" -gt 30 ] && kill -0 "$1" 2>/dev/null; do
+    [ "$(curl -s -o /dev/null -w '%{http_code}' --unix-socket "$sock" http://localhost/health)" = 200 ] && return 0
+    sleep 2
+  done
+  return 1
+}
 row() { echo "$*" | tee -a "$summary"; }
 # Runs a stage's command under the time left, its output unbuffered into $out/NAME.log (or $log.log) as it
 # comes: at most 8 files come back from a device call, so a stage's steps share one.
@@ -103,12 +111,7 @@ for stage in $stages; do
     python3 serve.py --model "$model" --adapter "tuned=$tuned" --max-lora-rank 128 --uds "$sock" --dtype bfloat16 \
       --length-buckets 256 --batch-sizes "${TPU_CHECK_BATCHES:-1,8,64}" --compile-cache "$work/xla" >"$out/serve.log" 2>&1 &
     server=$!
-    up=0
-    while [ "$(left)" -gt 30 ] && kill -0 $server 2>/dev/null; do
-      [ "$(curl -s -o /dev/null -w '%{http_code}' --unix-socket "$sock" http://localhost/health)" = 200 ] && { up=1; break; }
-      sleep 2
-    done
-    if [ $up = 1 ]; then
+    if wait_healthy $server; then
       row "curl --unix-socket: $(curl -s --unix-socket "$sock" http://localhost/v1/completions \
         -H 'Content-Type: application/json' -d '{"prompt": "The river", "max_tokens": 8}' | head -c 300)"
       run_stage uds_check python3 scripts/uds_check.py "$sock" --adapter tuned
@@ -184,12 +187,7 @@ print(f'bytecode written: {not sys.dont_write_bytecode}', *sorted(lines, key=lam
     python3 serve.py --model "$model" --uds "$sock" --dtype bfloat16 --compile-cache "$work/xla" \
       ${TPU_CHECK_LOAD_FLAGS:-} >"$out/load_serve.log" 2>&1 &
     server=$!
-    up=0
-    while [ "$(left)" -gt 30 ] && kill -0 $server 2>/dev/null; do
-      [ "$(curl -s -o /dev/null -w '%{http_code}' --unix-socket "$sock" http://localhost/health)" = 200 ] && { up=1; break; }
-      sleep 2
-    done
-    if [ $up = 1 ]; then
+    if wait_healthy $server; then
       log=load run_stage load_check python3 scripts/load_check.py "$sock" --clients "$clients" \
         --engine-log "$out/load.log" --json "$out/load.json"
       grep -E "warm-up|ready on|max-batch-size" "$out/load_serve.log" | tee -a "$summary"

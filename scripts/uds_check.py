@@ -48,29 +48,36 @@ def request(sock, method, path, body=None):
         connection.close()
 
 
-def stream(sock, body):
-    """(seconds to the first token, completion tokens, seconds in all) of a streamed completion."""
-    started, first = time.perf_counter(), None
-    connection = UnixConnection(sock)
-    try:
-        connection.request("POST", "/v1/completions", body=json.dumps(body | {"stream": True,
-                                                                            "stream_options": {"include_usage": True}}),
-                           headers={"Content-Type": "application/json"})
-        response = connection.getresponse()
-        if response.status != 200:
-            raise RuntimeError(f"status {response.status}: {response.read()[:200]!r}")
-        tokens = 0
-        for line in response:
-            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+def stream(sock, body, retry_busy=False):
+    """(seconds to the first token, completion tokens, seconds in all, 503s retried) of a streamed completion;
+    with `retry_busy`, a 503 is retried after a random part of its Retry-After, as the openai client does (its
+    wait counts in the time to the first token)."""
+    started, retries = time.perf_counter(), 0
+    while True:
+        connection = UnixConnection(sock)
+        try:
+            connection.request("POST", "/v1/completions", headers={"Content-Type": "application/json"},
+                               body=json.dumps(body | {"stream": True, "stream_options": {"include_usage": True}}))
+            response = connection.getresponse()
+            if response.status == 503 and retry_busy:
+                retries += 1
+                time.sleep(min(float(response.headers.get("Retry-After", 1)), 1.0) * random.random())
                 continue
-            event = json.loads(line[6:])
-            if first is None and event.get("choices") and event["choices"][0].get("text"):
-                first = time.perf_counter() - started
-            if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
-        return first if first is not None else time.perf_counter() - started, tokens, time.perf_counter() - started
-    finally:
-        connection.close()
+            if response.status != 200:
+                raise RuntimeError(f"status {response.status}: {response.read()[:200]!r}")
+            first, tokens = None, 0
+            for line in response:
+                if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if first is None and event.get("choices") and event["choices"][0].get("text"):
+                    first = time.perf_counter() - started
+                if event.get("usage"):
+                    tokens = event["usage"]["completion_tokens"]
+            seconds = time.perf_counter() - started
+            return first if first is not None else seconds, tokens, seconds, retries
+        finally:
+            connection.close()
 
 
 def metric(sock, name):
@@ -96,7 +103,7 @@ def checks(sock, adapter):
     chat = {"messages": [{"role": "user", "content": "Name a river."}], "max_tokens": 8}
     status, answer = request(sock, "POST", "/v1/chat/completions", chat)
     yield status == 200 and answer["choices"][0]["message"]["role"] == "assistant", f"chat: {status}"
-    first, tokens, _ = stream(sock, {"prompt": "The river", "max_tokens": 8, "temperature": 0})
+    first, tokens, _, _ = stream(sock, {"prompt": "The river", "max_tokens": 8, "temperature": 0})
     yield tokens > 0, f"stream: {tokens} tokens, first after {first * 1000:.0f} ms"
     # The prefix cache takes effect once its programs are compiled: answered before, a prompt is not cached.
     yield True, f"background warm-up done {wait_compiled(sock):.1f}s after the first checks"
@@ -129,23 +136,32 @@ def percentile(values, q):
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def load(sock, clients, rounds, max_tokens):
+def greedy_bodies(clients, rounds, max_tokens, words):
+    """clients x rounds completion bodies: a prompt of `words` (low, high) random words, greedy, ignore_eos."""
     rng = random.Random(clients)
-    bodies = [{"prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 40))), "max_tokens": max_tokens,
-               "temperature": 0, "ignore_eos": True} for _ in range(clients * rounds)]
+    return [{"prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(*words))), "max_tokens": max_tokens,
+             "temperature": 0, "ignore_eos": True} for _ in range(clients * rounds)]
 
+
+def run_clients(clients, bodies, send):
+    """`clients` threads, each sending its share of `bodies` one after another: send(body)'s results, or the
+    exceptions they raised (counted, not fatal: the table says how many)."""
     def client(i):
         results = []
         for body in bodies[i::clients]:
             try:
-                results.append(stream(sock, body))
-            except Exception as e:  # counted, not fatal: the table says how many
+                results.append(send(body))
+            except Exception as e:
                 results.append(e)
         return results
-
-    started = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(clients) as pool:
-        results = [r for rs in pool.map(client, range(clients)) for r in rs]
+        return [r for rs in pool.map(client, range(clients)) for r in rs]
+
+
+def load(sock, clients, rounds, max_tokens):
+    bodies = greedy_bodies(clients, rounds, max_tokens, (20, 40))
+    started = time.perf_counter()
+    results = run_clients(clients, bodies, lambda body: stream(sock, body))
     seconds = time.perf_counter() - started
     good = [r for r in results if not isinstance(r, Exception)]
     errors = [r for r in results if isinstance(r, Exception)]
