@@ -261,10 +261,13 @@ def test_full_queue_answers_503_with_retry_after(trained_model, start_server):
 def test_sigusr1_logs_every_threads_stack_and_the_server_goes_on(server):
     server.process.send_signal(signal.SIGUSR1)
     deadline = time.time() + 30
-    while "most recent call first" not in server.output() and time.time() < deadline:
+
+    def dump():  # the threads' stacks as written so far: faulthandler writes them one after another
+        return server.output().split("most recent call first", 1)[-1] if "most recent call first" in \
+            server.output() else ""
+    while not ('serve.py", line' in dump() and "in run" in dump()) and time.time() < deadline:
         time.sleep(0.1)
-    dump = server.output().split("most recent call first", 1)[-1]
-    assert 'serve.py", line' in dump and "in run" in dump  # the model worker's loop, among the threads
+    assert 'serve.py", line' in dump() and "in run" in dump(), dump()  # the model worker's loop, among them
     assert good_request_works(server)
 
 
