@@ -36,6 +36,9 @@ def parse_args():
     p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "bench-tools"))
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--learning-rate", type=float, default=5e-4)
+    p.add_argument("--cities", type=int, default=len(CITIES), help="held-out cities asked about (9 questions each)")
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--reuse", action="store_true", help="serve the tuned model --work already holds, untrained again")
     return p.parse_args()
 
 
@@ -57,26 +60,26 @@ def valid(arguments, schema):
         return False
 
 
-def ask(url, model, tools, question):
+def ask(url, model, tools, question, max_tokens):
     """(status, tool calls or None, text) for one question with the tools and no tool_choice."""
     status, answer = post(url + "/v1/chat/completions", {
-        "model": model, "messages": [{"role": "user", "content": question}], "tools": tools, "max_tokens": 96,
-        "temperature": 0})
+        "model": model, "messages": [{"role": "user", "content": question}], "tools": tools,
+        "max_tokens": max_tokens, "temperature": 0})
     if status != 200:
         return status, None, json.dumps(answer)[:200]
     message = answer["choices"][0]["message"]
     return status, message.get("tool_calls"), message.get("content") or ""
 
 
-def measure(url, model, tools):
+def measure(url, model, tools, cities, max_tokens):
     specs = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
     counts = dict(requests=0, ok=0, wanted=0, called=0, unwanted=0, answered=0, calls=0, valid=0, round_trips=0,
                   round_trips_ok=0)
     examples = []
-    for city in CITIES:
+    for city in CITIES[:cities]:
         for template, wants in [(q, True) for q in WANT_TOOL] + [(q, False) for q in NO_TOOL]:
             question = template.format(city=city)
-            status, calls, text = ask(url, model, tools, question)
+            status, calls, text = ask(url, model, tools, question, max_tokens)
             counts["requests"] += 1
             counts["ok"] += status == 200
             counts["wanted" if wants else "unwanted"] += 1
@@ -110,7 +113,8 @@ def main():
     subprocess.run([sys.executable, str(REPO / "train_local.py"), "--model", str(base), "--data",
                     str(REPO / "tests/data/tool_sample.jsonl"), "--template", "gemma-chat", "--loss-on", "response",
                     "--epochs", str(args.epochs), "--learning-rate", str(args.learning_rate), "--eval-examples", "0",
-                    "--output", str(tuned), "--overwrite", "--compile-cache", str(work / "xla")], check=True, env=env)
+                    "--output", str(tuned), "--overwrite", "--compile-cache", str(work / "xla")], check=True, env=env) \
+        if not (args.reuse and (tuned / "adapter.lora.h5").exists()) else None
     trained = time.time() - started
     tools = json.loads((REPO / "tests/data/tool_sample.jsonl").read_text().splitlines()[0])["tools"]
     port = free_port()
@@ -122,14 +126,17 @@ def main():
                                   stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_until_up(url + "/health", server)
-        rows = {name: measure(url, model, tools) for name, model in (("base", "gemma3-270m"), ("tuned", "tools"))}
+        rows = {name: measure(url, model, tools, args.cities, args.max_tokens)
+                for name, model in (("base", "gemma3-270m"), ("tuned", "tools"))}
         with urllib.request.urlopen(url + "/metrics") as r:
             compilations = next(float(line.split()[-1]) for line in r.read().decode().splitlines()
                                 if line.startswith("serve_request_compilations_total "))
     finally:
         server.terminate()
         server.wait(60)
-    print(f"\ntuned in {trained:.0f}s ({args.epochs} epochs of tests/data/tool_sample.jsonl); "
+    print(f"\ntuned {'earlier' if trained < 60 else f'in {trained:.0f}s'} ({args.epochs} epochs of "
+          f"tests/data/tool_sample.jsonl); {args.cities} cities x {len(WANT_TOOL) + len(NO_TOOL)} questions a model, "
+          f"max_tokens {args.max_tokens}; "
           f"{compilations:.0f} compilations on a request's behalf\n")
     print("| model | requests (200) | called a tool when one was wanted | answered in text when none was | "
           "calls with a given name and schema-valid arguments | round trips answered |\n|---|---|---|---|---|---|")
