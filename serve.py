@@ -434,8 +434,9 @@ class PartClock:
         return seconds
 
     def render(self):
-        return ["# HELP serve_worker_seconds_total The model worker's wall time by what it did; the parts add up "
-                "to its time since it started.", "# TYPE serve_worker_seconds_total counter"] + [
+        return ["# HELP serve_worker_seconds_total The model worker's wall time by what it did (" + "; ".join(
+                f"{part}: {what}" for part, what in WORKER_PARTS.items()) + "); the parts add up to its time since "
+                "it started.", "# TYPE serve_worker_seconds_total counter"] + [
             f'serve_worker_seconds_total{{part="{part}"}} {seconds:.6f}' for part, seconds in self.totals().items()]
 
 
@@ -493,7 +494,7 @@ class DeviceTimeline:
             if stalls:
                 self.stall += done - began
             last_done, last_run = done, run
-            del outputs
+            del outputs  # not held while waiting for the next dispatch: its buffers may go now
 
     def render(self):
         lines = ["# HELP serve_dispatches_total Programs the model worker dispatched to the device, by kind.",
@@ -3291,19 +3292,20 @@ def resized_batch(batch, size):
     return batch
 
 
-def copied_batch(self, size, kept):
-    """A batch of `size` whose row i is row kept[i] of this one (rows past them free); left whole if it fails."""
-    new = DecodeBatch(self.engine, size)
+def copied_batch(batch, size, kept):
+    """A batch of `size` whose row i is row kept[i] of `batch` (rows past them free); `batch` is left whole if
+    the copy fails."""
+    new = DecodeBatch(batch.engine, size)
     index = np.array(kept + [0] * (size - len(kept)), np.int32)
-    new.cache = self.engine.programs[self.size].resize[size](self.cache, index)
+    new.cache = batch.engine.programs[batch.size].resize[size](batch.cache, index)
     TIMELINE.dispatched("resize")
-    self.cache = None  # this batch is done: its cache's memory may go before the next copy
+    batch.cache = None  # that batch is done: its cache's memory may go before the next copy
     for name in ("positions", "tokens", "slots"):
-        getattr(new, name)[:len(kept)] = getattr(self, name)[kept]
-    new.sampler.take(self.sampler, kept)
-    new.grammars.take(self.grammars, kept)
-    new.rows[:len(kept)] = [self.rows[row] for row in kept]
-    new.first_token_due, new.taken = self.first_token_due, self.taken
+        getattr(new, name)[:len(kept)] = getattr(batch, name)[kept]
+    new.sampler.take(batch.sampler, kept)
+    new.grammars.take(batch.grammars, kept)
+    new.rows[:len(kept)] = [batch.rows[row] for row in kept]
+    new.first_token_due, new.taken = batch.first_token_due, batch.taken
     return new
 
 
