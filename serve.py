@@ -138,14 +138,16 @@ def parse_args(argv=None):
                         "of two up to 256 whose KV cache fits the device's free memory (the log says why)")
     p.add_argument("--batch-sizes", default=None, metavar="N,N,...",
                    help="batch sizes compiled at start-up, the largest being --max-batch-size (default: powers of "
-                        "two up to --max-batch-size); fewer start faster, a model of several minutes' warm-up per "
+                        "two up to 16, of four above, up to --max-batch-size); fewer start faster, a model of several minutes' warm-up per "
                         "size (2B on one TPU chip) wants few, such as 1,8,64")
     p.add_argument("--length-buckets", default="128,256,512",
                    help="total lengths (prompt + new tokens) compiled at start-up; the largest is the longest "
                         "request served (default: %(default)s)")
     p.add_argument("--batch-window-ms", type=float, default=5.0,
                    help="how long the first queued request waits for others to batch with (default: 5)")
-    p.add_argument("--max-queue", type=int, default=64, help="queued requests before answering 503 (default: 64)")
+    p.add_argument("--max-queue", default="auto",
+                   help="queued requests before answering 503; auto (default): twice the largest batch size, at "
+                        "least 64, so that a full batch's worth of newcomers waits for rows instead of retrying")
     p.add_argument("--max-tokens-limit", type=int, default=None,
                    help="largest max_tokens accepted (default: the largest length bucket)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default: 1 MiB)")
@@ -185,7 +187,14 @@ def parse_args(argv=None):
             args.max_batch_size = int(args.max_batch_size)
         except ValueError:
             p.error(f"--max-batch-size {args.max_batch_size}: a number, or auto")
-    if (args.max_batch_size or 1) < 1 or args.max_queue < 1 or args.max_connections < 1:
+    if args.max_queue == "auto":
+        args.max_queue = None  # decided with the batch size (auto_max_queue)
+    else:
+        try:
+            args.max_queue = int(args.max_queue)
+        except ValueError:
+            p.error(f"--max-queue {args.max_queue}: a number, or auto")
+    if (args.max_batch_size or 1) < 1 or (args.max_queue or 1) < 1 or args.max_connections < 1:
         p.error("--max-batch-size, --max-queue and --max-connections must be at least 1")
     if args.idle_timeout <= 0:
         p.error("--idle-timeout must be positive")
@@ -405,18 +414,23 @@ class PartClock:
 
     def __init__(self):
         self.seconds = dict.fromkeys(WORKER_PARTS, 0.0)  # every key from the start: render() copies it unlocked
-        self.current, self.since, self.owner = "other", None, None
+        # The thread's CPU time in each part: wall time less CPU time is waiting, on the device or for the GIL
+        # (which the HTTP threads hold while they render and write what the worker hands them).
+        self.cpu = dict.fromkeys(WORKER_PARTS, 0.0)
+        self.current, self.since, self.cpu_since, self.owner = "other", None, None, None
 
     def start(self, part="other"):
-        self.owner, self.current, self.since = threading.get_ident(), part, time.perf_counter()
+        self.owner, self.current = threading.get_ident(), part
+        self.since, self.cpu_since = time.perf_counter(), time.thread_time()
 
     def switch(self, part):
         """Enters `part`; returns the part it leaves (for the caller to go back to)."""
         if threading.get_ident() != self.owner:
             return part
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.thread_time()
         self.seconds[self.current] += now - self.since
-        previous, self.current, self.since = self.current, part, now
+        self.cpu[self.current] += cpu - self.cpu_since
+        previous, self.current, self.since, self.cpu_since = self.current, part, now, cpu
         return previous
 
     @contextlib.contextmanager
@@ -437,7 +451,11 @@ class PartClock:
         return ["# HELP serve_worker_seconds_total The model worker's wall time by what it did (" + "; ".join(
                 f"{part}: {what}" for part, what in WORKER_PARTS.items()) + "); the parts add up to its time since "
                 "it started.", "# TYPE serve_worker_seconds_total counter"] + [
-            f'serve_worker_seconds_total{{part="{part}"}} {seconds:.6f}' for part, seconds in self.totals().items()]
+            f'serve_worker_seconds_total{{part="{part}"}} {seconds:.6f}' for part, seconds in self.totals().items()] + [
+            "# HELP serve_worker_cpu_seconds_total The model worker thread's CPU time by part (as above), up to its "
+            "last change of part: the rest of a part's wall time it waited, on the device or for the GIL.",
+            "# TYPE serve_worker_cpu_seconds_total counter"] + [
+            f'serve_worker_cpu_seconds_total{{part="{part}"}} {seconds:.6f}' for part, seconds in dict(self.cpu).items()]
 
 
 class DeviceTimeline:
@@ -5260,16 +5278,29 @@ class Handler(BaseHTTPRequestHandler):
 
 def batch_buckets(max_batch_size, batch_axis, sizes=None):
     if sizes is None:
-        sizes, size = set(), 1
+        # Past a CPU's sizes a factor of four: each size is a set of programs (minutes of warm-up for a 2B model on
+        # a TPU: nine sizes up to 256 compiled 192 programs in 431 s, issue #48), and each size the batch passes
+        # through while it fills is a copy of its cache; an accelerator's decode step costs little more at 64 rows
+        # than at 16 (the weights' read dominates).
+        sizes, size, factor = set(), 1, 2 if max_batch_size <= BATCH_DOUBLING_UP_TO else 4
         while size < max_batch_size:
             sizes.add(size)
-            size *= 2
+            size *= factor
         sizes.add(max_batch_size)
     # Under data parallelism every batch must split evenly over the batch axis.
     return sorted({-(-s // batch_axis) * batch_axis for s in sizes})
 
 
 AUTO_BATCH_CAP = 256
+BATCH_DOUBLING_UP_TO = 16
+MIN_QUEUE = 64
+
+
+def auto_max_queue(max_batch_size):
+    """--max-queue auto. A queue shorter than the batch turns a burst away with 503s while rows stand empty: on a
+    TPU v5e, 128 and 256 clients against a 64-long queue retried 90 and 469 times, their first tokens 3-4 s late
+    and the device idle 45% of the time (issue #48)."""
+    return max(MIN_QUEUE, 2 * max_batch_size)
 CPU_BATCH_SIZE = 8  # a CPU's matrix units are full long before its memory is
 
 
@@ -5403,6 +5434,8 @@ def load(server):
         release_freed_memory()
         server.memory.stage("warm-up")
         server.engine = engine
+        if args.max_queue is None:
+            args.max_queue = auto_max_queue(engine.batch_buckets[-1])
         server.worker = Worker(engine, engine.batch_buckets[-1], args.batch_window_ms / 1000, args.max_queue)
         server.worker.start()
         if not server.advance("ready"):

@@ -17,7 +17,8 @@
 #   load   serve.py with default flags over --uds, filled with 64, 128 and 256 streaming clients (scripts/load_check.py):
 #          tok/s, time to first token, the engine's own decode at that batch (tpu_check.py, same call) and where the
 #          worker's and the device's time went (issue #48); TPU_CHECK_LOAD_CLIENTS, TPU_CHECK_LOAD_FLAGS (serve.py's),
-#          TPU_CHECK_LOAD_ENGINE=0 (skip the engine alone) make it lighter
+#          TPU_CHECK_LOAD_ENGINE (the engine alone's batch sizes, default the
+#          client counts; 0: skip it) make it lighter; TPU_CHECK_LOAD_CLIENTS=0 runs the engine alone only
 #   bench  scripts/tpu_check.py: train ms/step and MFU, decode tokens/s next to the bandwidth limit and warm-up
 #          seconds at batch 1, 8 and 64, for bfloat16, then int8, then int4 (one 2B warm-up per batch: minutes)
 # Every stage writes its log unbuffered under $OUT as it goes, so a call cut short still reports, and
@@ -180,18 +181,22 @@ print(f'bytecode written: {not sys.dont_write_bytecode}', *sorted(lines, key=lam
     # and where the worker's and the device's time went (/metrics' per-dispatch breakdown).
     [ -f "$model/model.safetensors" ] || log=load run_stage make_model python3 scripts/make_tiny_gemma.py "$model" "${shape[@]}"
     clients="${TPU_CHECK_LOAD_CLIENTS:-64,128,256}"
-    flags=(--skip-train --batches "$clients" --new-tokens 128); [ "$config" = tiny ] && flags+=(--config tiny)
-    [ "${TPU_CHECK_LOAD_ENGINE:-1}" = 1 ] && log=load run_stage load_engine python3 scripts/tpu_check.py "${flags[@]}"
-    grep -E "^generate:" "$out/load.log" | tee -a "$summary"
+    engine="${TPU_CHECK_LOAD_ENGINE:-$clients}"  # the engine alone at these batch sizes (0: not at all)
+    flags=(--skip-train --batches "$engine" --new-tokens 128); [ "$config" = tiny ] && flags+=(--config tiny)
+    [ "$engine" != 0 ] && log=load run_stage load_engine python3 scripts/tpu_check.py "${flags[@]}"
+    # Kept in $work too: a later call on the same warm machine serves against these numbers.
+    [ "$engine" != 0 ] && grep -E "^(generate|limit):" "$out/load.log" >"$work/load_engine.log"
+    grep -E "^(generate|limit):" "$work/load_engine.log" 2>/dev/null | tee -a "$summary"
+    [ "$clients" = 0 ] && continue  # the engine alone only: a later call serves (the model stays in $work)
     rm -f "$sock"
     python3 serve.py --model "$model" --uds "$sock" --dtype bfloat16 --compile-cache "$work/xla" \
       ${TPU_CHECK_LOAD_FLAGS:-} >"$out/load_serve.log" 2>&1 &
     server=$!
     if wait_healthy $server; then
-      log=load run_stage load_check python3 scripts/load_check.py "$sock" --clients "$clients" \
-        --engine-log "$out/load.log" --json "$out/load.json"
+      log=load run_stage load_check python3 scripts/load_check.py "$sock" --clients "$clients" --grammar \
+        --engine-log "$work/load_engine.log" --json "$out/load.json"
       grep -E "warm-up|ready on|max-batch-size" "$out/load_serve.log" | tee -a "$summary"
-      grep -E "^\||^ok|^FAILED|^background" "$out/load.log" | tee -a "$summary"
+      grep -E "^\||^ok|^FAILED|^background|^grammar" "$out/load.log" | tee -a "$summary"
     else
       row "| load | not ready in time: $(tail -2 "$out/load_serve.log" | tr '\n' ' ') |"
     fi
