@@ -2,7 +2,7 @@
 random weights, bfloat16, rank-16 LoRA, on one GPU or TPU chip.
 
     python3 scripts/tpu_check.py [--config gemma_2b|tiny] [--steps 20] [--quantize int8] [--batches 1,8,64]
-                                 [--unroll on,off] [--long on,off] [--groups]
+                                 [--unroll on,off] [--long on,off] [--groups] [--profile DIR]
 
 Measures the product's own code paths: train_local.Trainer's compiled train step at batch 4 x 512
 (ms/step after compile, MFU against the chip's bf16 peak), serve.Engine's batched decode (generated
@@ -59,6 +59,9 @@ def parse_args():
                    "bytes), on, off, or both settings side by side: on,off (issue #33: does it pay here?)")
     p.add_argument("--long", default="auto", help="the smallest batch's long decodes (up to 64 tokens a dispatch "
                    "when no request waits): auto (serve.py's choice: on a CPU only), on, off, or on,off side by side")
+    p.add_argument("--profile", default=None, metavar="DIR", help="after each batch's timed run, one more under "
+                   "jax.profiler into DIR, and the device's costliest XLA ops printed (issue #48: where a decode step's "
+                   "time goes on the chip)")
     p.add_argument("--groups", action="store_true", help="also time a burst of prompts (each batch size of "
                    "--batches above 1) prefilled in groups against one by one, per prompt block")
     return p.parse_args()
@@ -165,7 +168,39 @@ def time_generation(model, args, batch_size, unroll="auto", long="auto"):
     engine.generate(done, batch_size)
     seconds = time.time() - started
     assert all(len(g.ids) == args.new_tokens for g in done)
+    if args.profile:
+        import jax
+        folder = Path(args.profile) / f"batch{batch_size}"
+        with jax.profiler.trace(str(folder)):
+            engine.generate(rows(), batch_size)
+        print_top_ops(folder, batch_size, args.new_tokens)
     return batch_size * args.new_tokens / seconds, compile_seconds
+
+
+def print_top_ops(folder, batch_size, steps, top=15):
+    """The device's costliest ops in a jax.profiler trace: total ms, per decode step, and share of the ops' time.
+    The device's planes are named /device:TPU:0 (or GPU); a CPU has none, and then the host's threads are shown."""
+    import collections
+    from jax.profiler import ProfileData
+    paths = sorted(folder.glob("**/*.xplane.pb"))
+    if not paths:
+        print(f"profile: no trace written under {folder}", flush=True)
+        return
+    data = ProfileData.from_file(str(paths[-1]))
+    planes = [p for p in data.planes if p.name.startswith("/device:")] or [p for p in data.planes if "CPU" in p.name]
+    totals, counts = collections.Counter(), collections.Counter()
+    for plane in planes:
+        lines = [line for line in plane.lines if line.name == "XLA Ops"] or list(plane.lines)
+        for line in lines:
+            for event in line.events:
+                totals[event.name] += event.duration_ns
+                counts[event.name] += 1
+    whole = sum(totals.values()) or 1
+    print(f"profile: batch {batch_size}, {whole / 1e6:,.1f} ms of ops on {', '.join(p.name for p in planes)} "
+          f"({whole / 1e6 / steps:.2f} ms a step over {steps} steps); the {top} costliest:", flush=True)
+    for name, ns in totals.most_common(top):
+        print(f"profile:   {ns / 1e6:9.1f} ms  {ns / 1e6 / steps:7.3f} ms/step  {ns / whole:5.1%}  x{counts[name]:<6} "
+              f"{name[:110]}", flush=True)
 
 
 def time_grouped_prefills(model, batch_size, best_of=3):

@@ -182,11 +182,11 @@ print(f'bytecode written: {not sys.dont_write_bytecode}', *sorted(lines, key=lam
     [ -f "$model/model.safetensors" ] || log=load run_stage make_model python3 scripts/make_tiny_gemma.py "$model" "${shape[@]}"
     clients="${TPU_CHECK_LOAD_CLIENTS:-64,128,256}"
     engine="${TPU_CHECK_LOAD_ENGINE:-$clients}"  # the engine alone at these batch sizes (0: not at all)
-    flags=(--skip-train --batches "$engine" --new-tokens 128); [ "$config" = tiny ] && flags+=(--config tiny)
+    flags=(--skip-train --batches "$engine" --new-tokens 128 --profile "$work/profile"); [ "$config" = tiny ] && flags+=(--config tiny)
     [ "$engine" != 0 ] && log=load run_stage load_engine python3 scripts/tpu_check.py "${flags[@]}"
     # Kept in $work too: a later call on the same warm machine serves against these numbers.
-    [ "$engine" != 0 ] && grep -E "^(generate|limit):" "$out/load.log" >"$work/load_engine.log"
-    grep -E "^(generate|limit):" "$work/load_engine.log" 2>/dev/null | tee -a "$summary"
+    [ "$engine" != 0 ] && grep -E "^(generate|limit|profile):" "$out/load.log" >"$work/load_engine.log"
+    grep -E "^(generate|limit|profile):" "$work/load_engine.log" 2>/dev/null | tee -a "$summary"
     [ "$clients" = 0 ] && continue  # the engine alone only: a later call serves (the model stays in $work)
     rm -f "$sock"
     python3 serve.py --model "$model" --uds "$sock" --dtype bfloat16 --compile-cache "$work/xla" \

@@ -383,6 +383,12 @@ def test_the_worker_s_time_adds_up_and_each_dispatch_is_counted_and_timed(server
     # Every moment of the worker's counts once: the parts add up to the wall time between the two scrapes.
     assert abs(sum(worker.values()) - wall) < 0.05 * wall + 0.05, (sum(worker.values()), wall, worker)
     assert worker['part="idle"'] > 0.1 and worker['part="read"'] > 0 and worker['part="admit"'] > 0
+    # Its thread's CPU time, part by part: never more than the part's wall time (the rest it waited), and some.
+    cpu = {k: v - parts(before, "serve_worker_cpu_seconds_total").get(k, 0)
+           for k, v in parts(after, "serve_worker_cpu_seconds_total").items()}
+    assert set(cpu) == set(worker)
+    assert all(0 <= cpu[k] <= worker[k] + 0.01 for k in cpu), (cpu, worker)
+    assert cpu['part="admit"'] > 0 and cpu['part="idle"'] < 0.5 * worker['part="idle"']  # idle: blocked on the queue
     dispatched = {k: v - before.get(k, 0) for k, v in after.items() if k.startswith("serve_dispatches_total")}
     assert dispatched['serve_dispatches_total{program="insert"}'] >= 6
     assert dispatched['serve_dispatches_total{program="prefill"}'] + \
