@@ -64,6 +64,7 @@ TEMPLATES = {
 }
 # Sampling looks at this many most-likely tokens: top_k is capped here and top_p is computed over them.
 CANDIDATES = 128
+DETOKENIZE_WINDOW = 16  # tokens a streamed row decodes again with its new ones (Generation.detokenize)
 TOP_LOGPROBS = 20  # most alternatives a request may ask log-probabilities for (OpenAI's limit)
 # The per-row arrays the decode programs take after the adapter slots: sample()'s, then adjust_logits'.
 SAMPLE_ARRAYS = ("temperature", "top_k", "top_p", "seeds", "alternatives")
@@ -3348,6 +3349,11 @@ class Generation:
         self.model = None  # the name it was asked for, for per-model metrics
         self.stop, self.events, self.index = stop, events, index
         self.ids, self.text, self.sent, self.finish_reason = [], "", 0, None
+        # detokenize()'s window: text[:decoded_text] is the decoding of ids[:decoded_to], and ids[decoded_from:
+        # decoded_to] (whose own decoding is window_text) are decoded again before new ones: their text gives
+        # the new ones' leading space
+        self.decoded_from = self.decoded_to = self.decoded_text = 0
+        self.window_text = ""
         # None, or how many alternatives to keep per token: then token_logprobs[i] is
         # (ids[i], its logprob, [(alternative id, logprob), ...]).
         self.logprobs, self.token_logprobs, self.logprobs_sent = logprobs, [], 0
@@ -3370,7 +3376,7 @@ class Generation:
             top = list(zip(top_ids[:self.logprobs].tolist(), top_logprobs[:self.logprobs].tolist()))
             self.token_logprobs.append((token, float(logprob), top))
         if self.stop:  # stop strings are looked for token by token; a stream's text is made when it is sent
-            self.text = engine.decode(self.ids)
+            self.detokenize(engine)
         if len(self.ids) < self.min_tokens:
             self.stops_from = len(self.text)
         for stop in self.stop if len(self.ids) >= self.min_tokens else ():
@@ -3386,11 +3392,32 @@ class Generation:
             self.emit(final=False, engine=engine)
         return False
 
+    def detokenize(self, engine):
+        """Makes `text` decode(ids) by decoding only the tokens since decoded_from (incremental detokenization,
+        as vLLM and TGI do): what decoding ids[decoded_from:] gives past window_text, the text of
+        ids[decoded_from:decoded_to], is what the tokens after decoded_to add to the first decoded_text
+        characters, a word's leading space included. Decoding every id again each chunk cost a SentencePiece
+        call of the whole answer a row (issue #48); this is one call of at most DETOKENIZE_WINDOW tokens and a
+        chunk's, and a second when the window starts again from the last token. It moves on only past text
+        that does not end inside a UTF-8 character, which a later byte may complete."""
+        new = engine.decode(self.ids[self.decoded_from:])
+        if not new.startswith(self.window_text):  # a tokenizer whose text is not built piece by piece
+            self.text = engine.decode(self.ids)
+            self.decoded_from = self.decoded_to = self.decoded_text = 0
+            self.window_text = ""
+            return
+        self.text = self.text[:self.decoded_text] + new[len(self.window_text):]
+        if not new.endswith("\ufffd"):
+            self.decoded_to, self.decoded_text, self.window_text = len(self.ids), len(self.text), new
+            if self.decoded_to - self.decoded_from > DETOKENIZE_WINDOW:
+                self.decoded_from = self.decoded_to - 1
+                self.window_text = engine.decode(self.ids[self.decoded_from:])
+
     def emit(self, final, engine=None):
         if self.events is None:
             return
         if engine is not None and not self.stop:
-            self.text = engine.decode(self.ids)
+            self.detokenize(engine)
         # Hold back a trailing partial UTF-8 character and anything that may be the start of a stop string.
         upto = len(self.text) if final else len(self.text.rstrip("\ufffd"))
         if not final and self.stop:

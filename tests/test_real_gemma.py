@@ -10,6 +10,8 @@ import subprocess
 import numpy as np
 import pytest
 
+import serve
+
 from conftest import REPO, SAMPLE_DATA, free_port, http, script_env
 
 ENGLISH = ("The history of the city goes back more than two thousand years. It was founded as a small fishing "
@@ -44,6 +46,26 @@ def test_converted_tokenizer_matches_the_gguf_vocabulary(demo, base_model):
     assert sp.encode("<start_of_turn>user\n") == [gguf_tokens.index("<start_of_turn>"), gguf_tokens.index("user"),
                                                    gguf_tokens.index("\n")]
     assert sp.decode(sp.encode("a  b    c\n\nd")) == "a  b    c\n\nd"  # restored whitespace-run pieces
+
+
+def test_text_made_a_chunk_at_a_time_is_the_real_tokenizer_s_decoding(base_model):
+    # serve.Generation.detokenize decodes only new tokens and a few before them (issue #48): on Gemma 3's
+    # 262,144 pieces (whitespace runs, byte fallback, emoji) the text after each chunk is decode(all ids).
+    import random
+    import types
+
+    import sentencepiece as spm
+    sp = spm.SentencePieceProcessor(model_proto=base_model.preprocessor.tokenizer.proto)
+    engine = types.SimpleNamespace(decode=sp.decode, stop_ids=set())
+    rng = random.Random(0)
+    ids = sp.encode("Él dijo:  «naïve»\n\n    日本語 😀🇫🇷 x") + [rng.randrange(3, sp.get_piece_size()) for _ in range(300)]
+    for chunk in (1, 4):
+        g = serve.Generation([2], len(ids), dict(serve.SAMPLER_DEFAULTS["greedy"], ignore_eos=True), 0, [], None)
+        for start in range(0, len(ids), chunk):
+            for token in ids[start:start + chunk]:
+                g.accept(token, engine, emit=False)
+            g.detokenize(engine)
+            assert g.text == sp.decode(g.ids)
 
 
 def test_pretrained_model_predicts_english(base_model):

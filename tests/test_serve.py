@@ -398,3 +398,42 @@ def test_the_worker_s_time_adds_up_and_each_dispatch_is_counted_and_timed(server
         busy['serve_device_busy_seconds_total{program="decode_long"}'] > 0
     idle = after["serve_device_idle_seconds_total"] - before["serve_device_idle_seconds_total"]
     assert 0 <= sum(busy.values()) + idle <= wall * 1.05 + 0.05
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 7])
+def test_text_made_a_chunk_at_a_time_is_the_whole_answer_s_decoding(tiny_model, chunk):
+    # Generation.detokenize decodes only the new tokens and the few before them (issue #48): every streamed
+    # piece, the text at each step and the final text must be what decoding all the ids gives, across words'
+    # leading spaces, multi-byte characters split over byte-fallback pieces, and stop strings.
+    import queue
+    import random
+    import types
+
+    import sentencepiece
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(tiny_model / "tokenizer.model"))
+    engine = types.SimpleNamespace(decode=sp.decode, stop_ids=set())
+    rng = random.Random(chunk)
+    ids = sp.encode("The river Thames — naïve café, 日本語 😀 and  two  spaces\nthen a new line")
+    ids += [rng.randrange(3, sp.get_piece_size()) for _ in range(60)]
+    full = sp.decode(ids)
+    assert any(sp.id_to_piece(i).startswith("<0x") for i in ids)  # byte-fallback pieces are in it
+    events = queue.Queue()
+    g = serve.Generation([2], len(ids), dict(serve.SAMPLER_DEFAULTS["greedy"], ignore_eos=True), 0, [], events)
+    for start in range(0, len(ids), chunk):
+        for token in ids[start:start + chunk]:
+            g.accept(token, engine, emit=False)
+        if g.finish_reason is None:
+            g.emit(final=False, engine=engine)
+            assert g.text == sp.decode(g.ids)
+    assert g.finish_reason == "length" and g.text == full
+    pieces = []
+    while not events.empty():
+        pieces.append(events.get()[1])
+    assert "".join(pieces) == full
+    # Stop strings are looked for in the same text, token by token: cut where decoding it all would be.
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    g = serve.Generation([2], len(ids), dict(serve.SAMPLER_DEFAULTS["greedy"], ignore_eos=True), 0, [stop], None)
+    for token in ids:
+        if g.accept(token, engine, emit=False):
+            break
+    assert g.finish_reason == "stop" and g.text == full[:full.find(stop)]
