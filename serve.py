@@ -139,8 +139,9 @@ def parse_args(argv=None):
                         "of two up to 256 whose KV cache fits the device's free memory (the log says why)")
     p.add_argument("--batch-sizes", default=None, metavar="N,N,...",
                    help="batch sizes compiled at start-up, the largest being --max-batch-size (default: powers of "
-                        "two up to 16; above, 1,4,16,64 and doubling from there, e.g. 1,4,16,64,128,256); fewer start faster, a model of several minutes' warm-up per "
-                        "size (2B on one TPU chip) wants few, such as 1,8,64")
+                        "two up to 16; above, 1,4,16,64 and doubling from there, e.g. 1,4,16,64,128,256); fewer "
+                        "start faster, a model of several minutes' warm-up per size (2B on one TPU chip) wants few, "
+                        "such as 1,8,64")
     p.add_argument("--length-buckets", default="128,256,512",
                    help="total lengths (prompt + new tokens) compiled at start-up; the largest is the longest "
                         "request served (default: %(default)s)")
@@ -5330,6 +5331,8 @@ def auto_max_queue(max_batch_size):
     TPU v5e, 128 and 256 clients against a 64-long queue retried 90 and 469 times, their first tokens 3-4 s late
     and the device idle 45% of the time (issue #48)."""
     return max(MIN_QUEUE, 2 * max_batch_size)
+
+
 CPU_BATCH_SIZE = 8  # a CPU's matrix units are full long before its memory is
 
 
@@ -5465,6 +5468,7 @@ def load(server):
         server.engine = engine
         if args.max_queue is None:
             args.max_queue = auto_max_queue(engine.batch_buckets[-1])
+            log(f"--max-queue auto: {args.max_queue} (twice the largest batch, at least {MIN_QUEUE})")
         server.worker = Worker(engine, engine.batch_buckets[-1], args.batch_window_ms / 1000, args.max_queue)
         server.worker.start()
         if not server.advance("ready"):
