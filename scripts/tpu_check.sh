@@ -15,8 +15,9 @@
 #          store too: launch to ready and to the full warm-up, the compilations each made (issue #33); then
 #          scripts/profile_load.py: where loading the model's time goes
 #   load   serve.py with default flags over --uds, filled with 64, 128 and 256 streaming clients (scripts/load_check.py):
-#          tok/s, time to first token, the engine's own decode at that batch (tpu_check.py, same call) and where the
-#          worker's and the device's time went (issue #48); TPU_CHECK_LOAD_CLIENTS, TPU_CHECK_LOAD_FLAGS (serve.py's),
+#          tok/s, time to first token, the engine's own decode at that batch (tpu_check.py, same call, with the decode
+#          program's costliest XLA ops from a jax.profiler trace) and where the worker's and the device's time went,
+#          then one JSON-schema client among the first level's (issue #48); TPU_CHECK_LOAD_CLIENTS, TPU_CHECK_LOAD_FLAGS (serve.py's),
 #          TPU_CHECK_LOAD_ENGINE (the engine alone's batch sizes, default the
 #          client counts; 0: skip it) make it lighter; TPU_CHECK_LOAD_CLIENTS=0 runs the engine alone only
 #   bench  scripts/tpu_check.py: train ms/step and MFU, decode tokens/s next to the bandwidth limit and warm-up
