@@ -100,6 +100,16 @@ SAMPLER_DEFAULTS = {  # keras-hub's samplers' defaults: the article's "top_k" is
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
+def number_or_auto(p, flag, value):
+    """A flag's integer, or None for "auto"."""
+    if value == "auto":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        p.error(f"{flag} {value}: a number, or auto")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="./gemma-2b-dolly-lora", help="preset dir or handle (default: %(default)s)")
@@ -182,20 +192,9 @@ def parse_args(argv=None):
         if not args.batch_sizes or args.batch_sizes[0] < 1:
             p.error("--batch-sizes must list sizes of at least 1")
         args.max_batch_size = args.batch_sizes[-1]
-    elif args.max_batch_size == "auto":
-        args.max_batch_size = None  # decided once the model is on the device (fitting_batch_size)
-    else:
-        try:
-            args.max_batch_size = int(args.max_batch_size)
-        except ValueError:
-            p.error(f"--max-batch-size {args.max_batch_size}: a number, or auto")
-    if args.max_queue == "auto":
-        args.max_queue = None  # decided with the batch size (auto_max_queue)
-    else:
-        try:
-            args.max_queue = int(args.max_queue)
-        except ValueError:
-            p.error(f"--max-queue {args.max_queue}: a number, or auto")
+    else:  # auto: decided once the model is on the device (fitting_batch_size)
+        args.max_batch_size = number_or_auto(p, "--max-batch-size", args.max_batch_size)
+    args.max_queue = number_or_auto(p, "--max-queue", args.max_queue)  # auto: with the batch size (auto_max_queue)
     if (args.max_batch_size or 1) < 1 or (args.max_queue or 1) < 1 or args.max_connections < 1:
         p.error("--max-batch-size, --max-queue and --max-connections must be at least 1")
     if args.idle_timeout <= 0:
@@ -3350,10 +3349,10 @@ class Generation:
         self.model = None  # the name it was asked for, for per-model metrics
         self.stop, self.events, self.index = stop, events, index
         self.ids, self.text, self.sent, self.finish_reason = [], "", 0, None
-        # detokenize()'s window: text[:decoded_text] is the decoding of ids[:decoded_to], and ids[decoded_from:
-        # decoded_to] (whose own decoding is window_text) are decoded again before new ones: their text gives
-        # the new ones' leading space
-        self.decoded_from = self.decoded_to = self.decoded_text = 0
+        # detokenize()'s window: text[:decoded_text] is the decoding of the ids it had decoded when it last moved
+        # on, and those from decoded_from (whose own decoding is window_text) are decoded again before new ones:
+        # their text gives the new ones' leading space
+        self.decoded_from = self.decoded_text = 0
         self.window_text = ""
         # None, or how many alternatives to keep per token: then token_logprobs[i] is
         # (ids[i], its logprob, [(alternative id, logprob), ...]).
@@ -3395,23 +3394,23 @@ class Generation:
 
     def detokenize(self, engine):
         """Makes `text` decode(ids) by decoding only the tokens since decoded_from (incremental detokenization,
-        as vLLM and TGI do): what decoding ids[decoded_from:] gives past window_text, the text of
-        ids[decoded_from:decoded_to], is what the tokens after decoded_to add to the first decoded_text
-        characters, a word's leading space included. Decoding every id again each chunk cost a SentencePiece
+        as vLLM and TGI do): what decoding ids[decoded_from:] gives past window_text (the text of the tokens
+        from decoded_from it had decoded when it last moved on) is what the tokens since add to the first
+        decoded_text characters, a word's leading space included. Decoding every id again each chunk cost a SentencePiece
         call of the whole answer a row (issue #48); this is one call of at most DETOKENIZE_WINDOW tokens and a
         chunk's, and a second when the window starts again from the last token. It moves on only past text
         that does not end inside a UTF-8 character, which a later byte may complete."""
         new = engine.decode(self.ids[self.decoded_from:])
         if not new.startswith(self.window_text):  # a tokenizer whose text is not built piece by piece
             self.text = engine.decode(self.ids)
-            self.decoded_from = self.decoded_to = self.decoded_text = 0
+            self.decoded_from = self.decoded_text = 0
             self.window_text = ""
             return
         self.text = self.text[:self.decoded_text] + new[len(self.window_text):]
         if not new.endswith("\ufffd"):
-            self.decoded_to, self.decoded_text, self.window_text = len(self.ids), len(self.text), new
-            if self.decoded_to - self.decoded_from > DETOKENIZE_WINDOW:
-                self.decoded_from = self.decoded_to - 1
+            self.decoded_text, self.window_text = len(self.text), new
+            if len(self.ids) - self.decoded_from > DETOKENIZE_WINDOW:
+                self.decoded_from = len(self.ids) - 1
                 self.window_text = engine.decode(self.ids[self.decoded_from:])
 
     def emit(self, final, engine=None):

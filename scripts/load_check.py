@@ -151,7 +151,7 @@ def main():
         rows.append(row)
         print(describe(row, alone) + (f" first error: {row['first_error']}" if row["errors"] else ""), flush=True)
         failed += row["errors"]
-    if args.grammar:
+    if args.grammar and rows[0]["clients"] > 1:  # one JSON client beside the others: there must be others
         free = rows[0]
         clients = free["clients"]
         row, answered, bad = mixed_level(args.socket, clients, args.rounds, args.max_tokens)
