@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 from bench_memory import read_bandwidth  # noqa: E402  the limit bench_memory.py divides by
 import serve  # noqa: E402
 UNROLL_FROM_BYTES, UNROLL_FROM_BATCH_OFF_CPU = serve.UNROLL_FROM_BYTES, serve.UNROLL_FROM_BATCH_OFF_CPU
+WRITE_BY_SELECT_ON = serve.WRITE_BY_SELECT_ON
 
 CONFIGS = {  # gemma_2b as keras-hub defines it (GemmaBackbone presets)
     "gemma_2b": dict(vocabulary_size=256000, num_layers=18, num_query_heads=8, num_key_value_heads=1,
@@ -59,6 +60,10 @@ def parse_args():
                    "bytes), on, off, or both settings side by side: on,off (issue #33: does it pay here?)")
     p.add_argument("--long", default="auto", help="the smallest batch's long decodes (up to 64 tokens a dispatch "
                    "when no request waits): auto (serve.py's choice: on a CPU only), on, off, or on,off side by side")
+    p.add_argument("--writes", default="auto", help="how a decode step writes each row's new key and value: auto "
+                   "(serve.py's choice by backend), select, scatter, or select,scatter side by side (issue #48)")
+    p.add_argument("--decode-only", action="store_true", help="no grouped prefills in the engine's warm-up (the "
+                   "decode measurement never uses them; they are most of its compile time on a chip)")
     p.add_argument("--profile", default=None, metavar="DIR", help="after each batch's timed run, one more under "
                    "jax.profiler into DIR, and the device's costliest XLA ops printed (issue #48: where a decode step's "
                    "time goes on the chip)")
@@ -143,13 +148,16 @@ def bench_engine(model, batch_sizes, length):
     return engine
 
 
-def time_generation(model, args, batch_size, unroll="auto", long="auto"):
+def time_generation(model, args, batch_size, unroll="auto", long="auto", writes="auto"):
     import numpy as np
     import serve
+    serve.WRITE_BY_SELECT_ON = {"select": ("cpu", "gpu", "tpu"), "scatter": ()}.get(writes, WRITE_BY_SELECT_ON)
     serve.UNROLL_FROM_BYTES = {"on": 0, "off": float("inf")}.get(unroll, UNROLL_FROM_BYTES)
     serve.UNROLL_FROM_BATCH_OFF_CPU = 1 if unroll == "on" else UNROLL_FROM_BATCH_OFF_CPU
     prompt_length = 32
     engine = bench_engine(model, [batch_size], prompt_length + args.new_tokens)
+    if args.decode_only:
+        engine.group_sizes = []
     if long != "auto":  # built or not whatever the backend; without them every decode is DECODE_CHUNK a dispatch
         engine.programs[batch_size] = engine.batch_programs(batch_size, long=long == "on")
     started = time.time()
@@ -170,16 +178,27 @@ def time_generation(model, args, batch_size, unroll="auto", long="auto"):
     assert all(len(g.ids) == args.new_tokens for g in done)
     if args.profile:
         import jax
-        folder = Path(args.profile) / f"batch{batch_size}"
+        folder = Path(args.profile) / f"batch{batch_size}-{unroll}-{long}-{writes}"
         with jax.profiler.trace(str(folder)):
             engine.generate(rows(), batch_size)
         print_top_ops(folder, batch_size, args.new_tokens)
     return batch_size * args.new_tokens / seconds, compile_seconds
 
 
-def print_top_ops(folder, batch_size, steps, top=15):
-    """The device's costliest ops in a jax.profiler trace: total ms, per decode step, and share of the ops' time.
-    The device's planes are named /device:TPU:0 (or GPU); a CPU has none, and then the host's threads are shown."""
+def op_kind(name):
+    """An XLA op's event name (its HLO text, or just its name) -> what it is, the same for every layer and step: the
+    op's name without its number and the JAX operation it came from without layer numbers, e.g.
+    "while <- vmap(decoder_block_N)/attention/vmap()/scatter"."""
+    import re
+    op = re.sub(r"[.\d]+$", "", name.split(" = ")[0].lstrip("%"))
+    source = re.search(r'op_name="([^"]*)"', name)
+    return op + (" <- " + re.sub(r"\d+", "N", source.group(1).split("/", 1)[-1])[-90:] if source else "")
+
+
+def print_top_ops(folder, batch_size, steps, top=20):
+    """The device's costliest kinds of op in a jax.profiler trace (op_kind: every layer's and step's together):
+    total ms, per decode step, and share of the ops' time. The device's planes are named /device:TPU:0 (or GPU);
+    a CPU has none, and then the host's threads are shown."""
     import collections
     from jax.profiler import ProfileData
     paths = sorted(folder.glob("**/*.xplane.pb"))
@@ -187,20 +206,22 @@ def print_top_ops(folder, batch_size, steps, top=15):
         print(f"profile: no trace written under {folder}", flush=True)
         return
     data = ProfileData.from_file(str(paths[-1]))
-    planes = [p for p in data.planes if p.name.startswith("/device:")] or [p for p in data.planes if "CPU" in p.name]
+    planes = [p for p in data.planes if p.name.startswith("/device:TPU") or p.name.startswith("/device:GPU")] \
+        or [p for p in data.planes if "CPU" in p.name]
     totals, counts = collections.Counter(), collections.Counter()
     for plane in planes:
         lines = [line for line in plane.lines if line.name == "XLA Ops"] or list(plane.lines)
         for line in lines:
             for event in line.events:
-                totals[event.name] += event.duration_ns
-                counts[event.name] += 1
+                kind = op_kind(event.name)
+                totals[kind] += event.duration_ns
+                counts[kind] += 1
     whole = sum(totals.values()) or 1
     print(f"profile: batch {batch_size}, {whole / 1e6:,.1f} ms of ops on {', '.join(p.name for p in planes)} "
-          f"({whole / 1e6 / steps:.2f} ms a step over {steps} steps); the {top} costliest:", flush=True)
-    for name, ns in totals.most_common(top):
-        print(f"profile:   {ns / 1e6:9.1f} ms  {ns / 1e6 / steps:7.3f} ms/step  {ns / whole:5.1%}  x{counts[name]:<6} "
-              f"{name[:110]}", flush=True)
+          f"({whole / 1e6 / steps:.2f} ms a step over {steps} steps); the {top} costliest kinds:", flush=True)
+    for kind, ns in totals.most_common(top):
+        print(f"profile:   {ns / 1e6:9.1f} ms  {ns / 1e6 / steps:7.3f} ms/step  {ns / whole:5.1%}  x{counts[kind]:<6} "
+              f"{kind[:140]}", flush=True)
 
 
 def time_grouped_prefills(model, batch_size, best_of=3):
@@ -279,12 +300,14 @@ def main():
     print(f"limit: {limit:,.0f} tok/s a row ({bandwidth / 1e9:,.0f} GB/s read by a jitted sum over "
           f"{weights:.2f} GiB of weights)", flush=True)
     for batch_size in map(int, args.batches.split(",")):
-        for unroll, long in [(u, lo) for u in args.unroll.split(",") for lo in args.long.split(",")]:
-            tps, compile_s = time_generation(model, args, batch_size, unroll, long)
+        for unroll, long, writes in [(u, lo, w) for u in args.unroll.split(",") for lo in args.long.split(",")
+                                     for w in args.writes.split(",")]:
+            tps, compile_s = time_generation(model, args, batch_size, unroll, long, writes)
             reference = time_keras_hub_generate(model, args, batch_size) if args.reference else None
             print(f"generate: batch {batch_size}: {tps:,.0f} tok/s with serve.py's engine "
                   f"({'' if unroll == 'auto' else 'unroll ' + unroll + ', '}"
-                  f"{'' if args.long == 'auto' else 'long decodes ' + long + ', '}warm-up {compile_s:.0f}s), "
+                  f"{'' if args.long == 'auto' else 'long decodes ' + long + ', '}"
+                  f"{'' if writes == 'auto' else 'writes by ' + writes + ', '}warm-up {compile_s:.0f}s), "
                   f"{tps / (batch_size * limit):.0%} of {batch_size} x the limit"
                   + (f"; keras-hub generate(): {reference:,.0f} tok/s" if reference else "")
                   + f" ({args.new_tokens} new tokens after a 32-token prompt, its prefill included)", flush=True)

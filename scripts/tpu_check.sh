@@ -19,7 +19,8 @@
 #          program's costliest XLA ops from a jax.profiler trace) and where the worker's and the device's time went,
 #          then one JSON-schema client among the first level's (issue #48); TPU_CHECK_LOAD_CLIENTS, TPU_CHECK_LOAD_FLAGS (serve.py's),
 #          TPU_CHECK_LOAD_ENGINE (the engine alone's batch sizes, default the
-#          client counts; 0: skip it) make it lighter; TPU_CHECK_LOAD_CLIENTS=0 runs the engine alone only
+#          client counts; 0: skip it) make it lighter; TPU_CHECK_LOAD_CLIENTS=0 runs the engine alone only;
+#          TPU_CHECK_ENGINE_FLAGS adds tpu_check.py flags to the engine's run (e.g. "--writes select,scatter")
 #   bench  scripts/tpu_check.py: train ms/step and MFU, decode tokens/s next to the bandwidth limit and warm-up
 #          seconds at batch 1, 8 and 64, for bfloat16, then int8, then int4 (one 2B warm-up per batch: minutes)
 # Every stage writes its log unbuffered under $OUT as it goes, so a call cut short still reports, and
@@ -183,8 +184,14 @@ print(f'bytecode written: {not sys.dont_write_bytecode}', *sorted(lines, key=lam
     [ -f "$model/model.safetensors" ] || log=load run_stage make_model python3 scripts/make_tiny_gemma.py "$model" "${shape[@]}"
     clients="${TPU_CHECK_LOAD_CLIENTS:-64,128,256}"
     engine="${TPU_CHECK_LOAD_ENGINE:-$clients}"  # the engine alone at these batch sizes (0: not at all)
-    flags=(--skip-train --batches "$engine" --new-tokens 128 --profile "$work/profile"); [ "$config" = tiny ] && flags+=(--config tiny)
-    [ "$engine" != 0 ] && log=load run_stage load_engine python3 scripts/tpu_check.py "${flags[@]}"
+    flags=(--skip-train --decode-only --batches "$engine" --new-tokens 128 --profile "$work/profile" ${TPU_CHECK_ENGINE_FLAGS:-})
+    [ "$config" = tiny ] && flags+=(--config tiny)
+    # The decode programs as XLA optimized them, to read what the profile's fusions are (one file back).
+    [ "$engine" != 0 ] && XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$work/hlo --xla_dump_hlo_as_text \
+      --xla_dump_hlo_module_re=decode_chunk" \
+      log=load run_stage load_engine python3 scripts/tpu_check.py "${flags[@]}"
+    [ -d "$work/hlo" ] && (cd "$work/hlo" && find . -name "*decode_chunk*after_optimizations.txt" -print0 \
+      | tar -czf "$out/decode_hlo.tgz" --null -T -) 2>/dev/null
     # Kept in $work too: a later call on the same warm machine serves against these numbers.
     [ "$engine" != 0 ] && grep -E "^(generate|limit|profile):" "$out/load.log" >"$work/load_engine.log"
     grep -E "^(generate|limit|profile):" "$work/load_engine.log" 2>/dev/null | tee -a "$summary"

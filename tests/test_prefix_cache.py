@@ -180,11 +180,8 @@ def test_a_decode_loop_on_a_cpu_copies_no_cache_leaf():
     assert tuple(d for d in leaf if d != 1) not in copied
 
 
-@pytest.mark.device
-@pytest.mark.parametrize("family", ["gemma", "gemma2"])
-def test_gemma_1_and_2_decode_over_a_cache_per_layer_as_keras_hub_computes_the_sequence(family):
-    """keras-hub stacks Gemma 1/2's layers into one cache array; the engine keeps one per layer (no
-    restacking per token). Gemma 2 adds logit soft-caps, post-norms and local layers (every other one)."""
+def tiny_gemma(family):
+    """A random Gemma 1 (or 2: logit soft-caps, post-norms and every other layer local) of 4 layers."""
     import keras
     import keras_hub
     keras.utils.set_random_seed(0)
@@ -194,11 +191,43 @@ def test_gemma_1_and_2_decode_over_a_cache_per_layer_as_keras_hub_computes_the_s
     backbone = keras_hub.models.GemmaBackbone(
         vocabulary_size=64, num_layers=4, num_query_heads=2, num_key_value_heads=1, hidden_dim=16, intermediate_dim=32,
         head_dim=8, dtype="float32", **(gemma2 if family == "gemma2" else {}))
-    model = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+    return keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("family", ["gemma", "gemma2"])
+def test_gemma_1_and_2_decode_over_a_cache_per_layer_as_keras_hub_computes_the_sequence(family):
+    """keras-hub stacks Gemma 1/2's layers into one cache array; the engine keeps one per layer (no
+    restacking per token). Gemma 2 adds logit soft-caps, post-norms and local layers (every other one)."""
+    model = tiny_gemma(family)
     shapes, tokens = serve.cache_shapes(model, 2, 16)
     assert isinstance(shapes, tuple) and [s.shape for s in shapes] == [(2, 2, 16, 1, 8)] * 4
     assert tokens.shape == (2, 16)  # the token at each position, beside the cache (for penalties)
     decode_row_by_row_against_the_whole_sequence(model)
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("family", ["gemma", "gemma3"])
+def test_a_decode_step_writing_by_select_decodes_as_the_scatter_does(family, monkeypatch):
+    """On a TPU a decode step writes each row's new key, value and token as a select over the window (issue #48:
+    vmapped, the scatter was a loop over the rows there). Both ways every step's logits are keras-hub's over
+    the whole sequence and the caches are equal; the select's step scatters nothing, and keras' own
+    slice_update is back after tracing it."""
+    import jax
+    import keras
+    own = keras.ops.slice_update
+    caches, scatters = {}, {}
+    for select in (False, True):
+        monkeypatch.setattr(serve, "WRITE_BY_SELECT_ON", (jax.default_backend(),) if select else ())
+        model = tiny_gemma3_with_local_layers() if family == "gemma3" else tiny_gemma(family)
+        cache, _, tokens, variables, values = decode_row_by_row_against_the_whole_sequence(model)
+        caches[select] = cache
+        step = jax.make_jaxpr(lambda c: serve.forward(model, variables, None, values, serve.by_row(c), tokens,
+                                                      np.array([7, 9], np.int32), {}, np.zeros(2, np.int32)))(cache)
+        scatters[select] = str(step).count("scatter")
+    assert keras.ops.slice_update is own
+    jax.tree.map(np.testing.assert_array_equal, caches[False], caches[True])
+    assert scatters[True] == 0 and scatters[False] > 0
 
 
 @pytest.mark.parametrize("axis, shape", [(1, (1, 32, 2, 3)),           # Gemma 3: per-layer (batch, length, heads, dim)
