@@ -83,12 +83,18 @@ def test_once_a_sampled_row_frees_a_greedy_batch_takes_the_argmax_path(engine):
 
 
 @pytest.mark.device
-def test_insert_writes_one_row_of_a_hand_made_cache():
-    cache = (np.zeros((3, 8, 1, 2), np.float32), np.zeros((3, 8, 1, 2), np.float32))  # Gemma 3: (batch, length, …)
-    row = (np.ones((1, 4, 1, 2), np.float32), np.full((1, 4, 1, 2), 2.0, np.float32))
-    out = serve.insert((1, 1), cache, row, 1)
-    assert np.asarray(out[0])[1, :4].min() == 1 and np.asarray(out[1])[1, :4].min() == 2
-    assert np.asarray(out[0])[[0, 2]].max() == 0 and np.asarray(out[0])[1, 4:].max() == 0
+@pytest.mark.parametrize("by_select", [True, False])  # on a mesh; on one device, the row alone updated
+def test_insert_writes_one_row_of_a_hand_made_cache(by_select):
+    rng = np.random.default_rng(0)
+    cache = (rng.standard_normal((3, 8, 1, 2)).astype(np.float32),  # Gemma 3: (batch, length, …)
+             rng.standard_normal((3, 2, 8, 1, 2)).astype(np.float32))  # Gemma 1/2: (batch, 2, length, …)
+    row = (np.ones((1, 4, 1, 2), np.float32), np.full((1, 2, 4, 1, 2), 2.0, np.float32))
+    out = [np.asarray(a) for a in serve.insert((1, 2), cache, row, np.int32(1), by_select=by_select)]
+    assert (out[0][1, :4] == 1).all() and (out[1][1, :, :4] == 2).all()
+    np.testing.assert_array_equal(out[0][[0, 2]], cache[0][[0, 2]])  # the other rows, and the row's later positions
+    np.testing.assert_array_equal(out[1][[0, 2]], cache[1][[0, 2]])
+    np.testing.assert_array_equal(out[0][1, 4:], cache[0][1, 4:])
+    np.testing.assert_array_equal(out[1][1, :, 4:], cache[1][1, :, 4:])
 
 
 def decode_row_by_row_against_the_whole_sequence(model, length=16, starts=(3, 6)):
