@@ -19,6 +19,7 @@ unrolled or looped), --long on,off (a lone request's decodes of up to 64 tokens 
 --groups (a burst of prompts prefilled in groups, or one by one).
 """
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -33,7 +34,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 from bench_memory import read_bandwidth  # noqa: E402  the limit bench_memory.py divides by
 import serve  # noqa: E402
 UNROLL_FROM_BYTES, UNROLL_FROM_BATCH_OFF_CPU = serve.UNROLL_FROM_BYTES, serve.UNROLL_FROM_BATCH_OFF_CPU
-WRITE_BY_SELECT_ON = serve.WRITE_BY_SELECT_ON
+WRITE_BY_SELECT_ON, POSITIONS_WRITTEN_BY_SELECT = serve.WRITE_BY_SELECT_ON, serve.positions_written_by_select
 
 CONFIGS = {  # gemma_2b as keras-hub defines it (GemmaBackbone presets)
     "gemma_2b": dict(vocabulary_size=256000, num_layers=18, num_query_heads=8, num_key_value_heads=1,
@@ -61,7 +62,8 @@ def parse_args():
     p.add_argument("--long", default="auto", help="the smallest batch's long decodes (up to 64 tokens a dispatch "
                    "when no request waits): auto (serve.py's choice: on a CPU only), on, off, or on,off side by side")
     p.add_argument("--writes", default="auto", help="how a decode step writes each row's new key and value: auto "
-                   "(serve.py's choice by backend), select, scatter, or select,scatter side by side (issue #48)")
+                   "(serve.py's choice by backend), select, scatter, rows (one scatter of whole rows: an experiment), or several "
+                   "side by side, e.g. select,rows,scatter (issue #48)")
     p.add_argument("--decode-only", action="store_true", help="no grouped prefills in the engine's warm-up (the "
                    "decode measurement never uses them; they are most of its compile time on a chip)")
     p.add_argument("--profile", default=None, metavar="DIR", help="after each batch's timed run, one more under "
@@ -148,10 +150,52 @@ def bench_engine(model, batch_sizes, length):
     return engine
 
 
+@contextlib.contextmanager
+def positions_written_by_row_scatter(on):
+    """`--writes rows`, an experiment beside serve.py's select (issue #48): keras-hub's one-position cache writes
+    as a dynamic update slice whose vmap over rows is one scatter of whole rows into the batch's cache flattened
+    to (rows x positions, ...): no batching dimensions, which XLA's TPU backend expanded into a loop over rows
+    (serve.positions_written_by_select). Whether that backend scatters these natively is what it measures."""
+    import jax
+    import jax.numpy as jnp
+    import keras
+    own = keras.ops.slice_update
+
+    @jax.custom_batching.custom_vmap
+    def write(cache, update, position):  # one row: cache (1, length, ...), update (1, 1, ...)
+        return jax.lax.dynamic_update_slice_in_dim(cache, update, position, axis=1)
+
+    @write.def_vmap
+    def write_rows(size, batched, cache, update, position):
+        cache, update, position = (x if b else jnp.broadcast_to(x, (size,) + jnp.shape(x))
+                                   for x, b in zip((cache, update, position), batched))
+        rows, length = cache.shape[0], cache.shape[2]
+        flat = cache.reshape((rows * length,) + cache.shape[3:])
+        at = jnp.arange(rows) * length + position
+        flat = flat.at[at].set(update.reshape((rows,) + cache.shape[3:]).astype(cache.dtype), unique_indices=True,
+                               indices_are_sorted=True, mode="promise_in_bounds")
+        return flat.reshape(cache.shape), True
+
+    def slice_update(inputs, start_indices, updates):
+        if (len(inputs.shape) < 2 or inputs.shape[0] != 1 or updates.shape[1] != 1 or inputs.shape[2:] != updates.shape[2:]
+                or any(not isinstance(start, int) or start for i, start in enumerate(start_indices) if i != 1)):
+            return own(inputs, start_indices, updates)
+        return write(inputs, updates, jnp.asarray(start_indices[1], jnp.int32))
+    if on:
+        keras.ops.slice_update = slice_update
+    try:
+        yield
+    finally:
+        keras.ops.slice_update = own
+
+
 def time_generation(model, args, batch_size, unroll="auto", long="auto", writes="auto"):
     import numpy as np
     import serve
-    serve.WRITE_BY_SELECT_ON = {"select": ("cpu", "gpu", "tpu"), "scatter": ()}.get(writes, WRITE_BY_SELECT_ON)
+    serve.WRITE_BY_SELECT_ON = {"select": ("cpu", "gpu", "tpu"), "scatter": (), "rows": ()}.get(
+        writes, WRITE_BY_SELECT_ON)
+    serve.positions_written_by_select = (lambda on: positions_written_by_row_scatter(True)) if writes == "rows" \
+        else POSITIONS_WRITTEN_BY_SELECT
     serve.UNROLL_FROM_BYTES = {"on": 0, "off": float("inf")}.get(unroll, UNROLL_FROM_BYTES)
     serve.UNROLL_FROM_BATCH_OFF_CPU = 1 if unroll == "on" else UNROLL_FROM_BATCH_OFF_CPU
     prompt_length = 32
@@ -182,7 +226,7 @@ def time_generation(model, args, batch_size, unroll="auto", long="auto", writes=
         with jax.profiler.trace(str(folder)):
             engine.generate(rows(), batch_size)
         print_top_ops(folder, batch_size, args.new_tokens)
-    return batch_size * args.new_tokens / seconds, compile_seconds
+    return batch_size * args.new_tokens / seconds, compile_seconds, [g.ids for g in done]
 
 
 def op_kind(name):
@@ -299,10 +343,12 @@ def main():
     limit = bandwidth / sum(w.value.nbytes for w in model.weights)
     print(f"limit: {limit:,.0f} tok/s a row ({bandwidth / 1e9:,.0f} GB/s read by a jitted sum over "
           f"{weights:.2f} GiB of weights)", flush=True)
+    tokens = {}
     for batch_size in map(int, args.batches.split(",")):
         for unroll, long, writes in [(u, lo, w) for u in args.unroll.split(",") for lo in args.long.split(",")
                                      for w in args.writes.split(",")]:
-            tps, compile_s = time_generation(model, args, batch_size, unroll, long, writes)
+            tps, compile_s, made = time_generation(model, args, batch_size, unroll, long, writes)
+            first = tokens.setdefault(batch_size, made)  # every setting must decode the same greedy tokens
             reference = time_keras_hub_generate(model, args, batch_size) if args.reference else None
             print(f"generate: batch {batch_size}: {tps:,.0f} tok/s with serve.py's engine "
                   f"({'' if unroll == 'auto' else 'unroll ' + unroll + ', '}"
@@ -310,7 +356,10 @@ def main():
                   f"{'' if writes == 'auto' else 'writes by ' + writes + ', '}warm-up {compile_s:.0f}s), "
                   f"{tps / (batch_size * limit):.0%} of {batch_size} x the limit"
                   + (f"; keras-hub generate(): {reference:,.0f} tok/s" if reference else "")
-                  + f" ({args.new_tokens} new tokens after a 32-token prompt, its prefill included)", flush=True)
+                  + f" ({args.new_tokens} new tokens after a 32-token prompt, its prefill included)"
+                  + ("" if first is made else "; the same tokens as the first setting" if made == first
+                     else f"; tokens DIFFER from the first setting's in {sum(a != b for a, b in zip(made, first))} rows"),
+                  flush=True)
     for batch_size in (b for b in map(int, args.batches.split(",")) if args.groups and b > 1):
         for block, (grouped, alone) in time_grouped_prefills(model, batch_size).items():
             print(f"prefill: {batch_size} prompts of {block} tokens to their first token: {grouped:,.0f} ms in "
