@@ -1616,9 +1616,12 @@ def local_attention_in_its_window(model):
                 layer._compute_attention = compute
 
 
-def writes_by_select():
-    import jax
-    return jax.default_backend() in WRITE_BY_SELECT_ON
+def one_position_axis(inputs, start_indices, updates):
+    """The axis along which `ops.slice_update(inputs, start_indices, updates)` writes a single position (its
+    start there may be traced, every other start is 0), or None for any other write."""
+    differ = [a for a, (n, m) in enumerate(zip(inputs.shape, updates.shape)) if n != m]
+    fixed = all(isinstance(start, int) and start == 0 for a, start in enumerate(start_indices) if a not in differ)
+    return differ[0] if len(differ) == 1 and updates.shape[differ[0]] == 1 and fixed else None
 
 
 def write_one_position(array, value, position, axis):
@@ -1644,11 +1647,10 @@ def positions_written_by_select(on):
     own = keras.ops.slice_update
 
     def slice_update(inputs, start_indices, updates):
-        differ = [a for a, (n, m) in enumerate(zip(inputs.shape, updates.shape)) if n != m]
-        fixed = all(isinstance(start, int) and start == 0 for a, start in enumerate(start_indices) if a not in differ)
-        if len(differ) != 1 or updates.shape[differ[0]] != 1 or not fixed:
+        axis = one_position_axis(inputs, start_indices, updates)
+        if axis is None:
             return own(inputs, start_indices, updates)
-        return write_one_position(inputs, updates, start_indices[differ[0]], differ[0])
+        return write_one_position(inputs, updates, start_indices[axis], axis)
     keras.ops.slice_update = slice_update
     try:
         yield
@@ -1661,7 +1663,7 @@ def forward(model, variables, adapters, values, cache, tokens, positions, tables
     vmapped over rows so the write index, causal mask and LoRA slot are per row. `cache`: a decode view
     in by_row form, as it returns it."""
     import jax
-    select = writes_by_select()
+    select = jax.default_backend() in WRITE_BY_SELECT_ON
 
     def one_row(row_cache, token, position, slot):
         kv, history = row_cache
@@ -1830,7 +1832,7 @@ def decode_steps(model, variables, adapters, unroll, values, view, window, offse
             # common case) takes its tokens straight from the logits. Each branch of the steps' separate conds
             # handed the whole [rows, vocabulary] logits on, and on a TPU v5e each cond copied them to and from
             # another layout (gemma_2b at 64 rows: some 0.6 ms a step, by the HLO 1.5 ms at 256 rows).
-            temperature, alternatives = sampling[0], sampling[SAMPLE_ARRAYS.index("alternatives")]
+            temperature, alternatives = (sampling[SAMPLE_ARRAYS.index(name)] for name in ("temperature", "alternatives"))
             plain = ((temperature <= 0) & (alternatives <= 0)).all() & ~jnp.asarray(masked)
             if adjusting:
                 plain &= ~adjustments_wanted(at, *sampling[len(SAMPLE_ARRAYS):])

@@ -176,13 +176,14 @@ def positions_written_by_row_scatter(on):
                                indices_are_sorted=True, mode="promise_in_bounds")
         return flat.reshape(cache.shape), True
 
-    def slice_update(inputs, start_indices, updates):
-        if (len(inputs.shape) < 2 or inputs.shape[0] != 1 or updates.shape[1] != 1 or inputs.shape[2:] != updates.shape[2:]
-                or any(not isinstance(start, int) or start for i, start in enumerate(start_indices) if i != 1)):
+    def slice_update(inputs, start_indices, updates):  # a row's (1, length, ...) cache, at its position on axis 1
+        if inputs.shape[0] != 1 or serve.one_position_axis(inputs, start_indices, updates) != 1:
             return own(inputs, start_indices, updates)
         return write(inputs, updates, jnp.asarray(start_indices[1], jnp.int32))
-    if on:
-        keras.ops.slice_update = slice_update
+    if not on:
+        yield
+        return
+    keras.ops.slice_update = slice_update
     try:
         yield
     finally:
@@ -192,9 +193,10 @@ def positions_written_by_row_scatter(on):
 def time_generation(model, args, batch_size, unroll="auto", long="auto", writes="auto"):
     import numpy as np
     import serve
-    serve.WRITE_BY_SELECT_ON = {"select": ("cpu", "gpu", "tpu"), "scatter": (), "rows": ()}.get(
-        writes, WRITE_BY_SELECT_ON)
-    serve.positions_written_by_select = (lambda on: positions_written_by_row_scatter(True)) if writes == "rows" \
+    # `rows` takes serve.py's place for the keys and values (its tokens are written by select).
+    serve.WRITE_BY_SELECT_ON = {"scatter": ()}.get(writes, ("cpu", "gpu", "tpu") if writes != "auto"
+                                                   else WRITE_BY_SELECT_ON)
+    serve.positions_written_by_select = positions_written_by_row_scatter if writes == "rows" \
         else POSITIONS_WRITTEN_BY_SELECT
     serve.UNROLL_FROM_BYTES = {"on": 0, "off": float("inf")}.get(unroll, UNROLL_FROM_BYTES)
     serve.UNROLL_FROM_BATCH_OFF_CPU = 1 if unroll == "on" else UNROLL_FROM_BATCH_OFF_CPU

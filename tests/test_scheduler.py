@@ -197,7 +197,6 @@ def test_concurrent_submits_never_overshoot_the_queue_limit():
     assert worker.depth() == 10 and len(refused) == 22
 
 
-
 def test_the_default_queue_holds_a_full_batch_and_batch_sizes_go_up_by_fours_to_64():
     # A burst as large as the batch waits for rows instead of being turned away with 503s (issue #48: 128 and 256
     # clients against a 64-long queue retried 90 and 469 times on a TPU v5e, while rows stood empty).
