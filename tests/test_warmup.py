@@ -4,8 +4,10 @@ compiled, so nothing ever compiles on a request's behalf; a restart loads its pr
 program store (or XLA's compilation cache), and a changed flag does not load a stale program."""
 import functools
 import re
+import shutil
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -22,6 +24,24 @@ SYSTEM = list(range(500, 532))  # two full prefix blocks of 16
 def model(tiny_model):
     serve.on_compilation(serve.count_compilation)  # METRICS.request_compilations: those of no warm-up thread
     return serve.load_model(serve.parse_args(["--model", str(tiny_model)]))[0]
+
+
+@pytest.fixture(scope="module")
+def warmed(model, tmp_path_factory):
+    """One full warm-up (on two threads, its programs stored) and the answers its engine gives, shared by the
+    tests that read what a finished warm-up left: each full warm-up of this engine's shapes costs 35-40 s on
+    this CPU and more on a chip (issue #49: the device selection in one run). What the warm-up compiled, by
+    thread, is kept from before any test's requests."""
+    compiled = []
+    serve.on_compilation(lambda: compiled.append(threading.current_thread().name))
+    engine = make_engine(model)
+    root = tmp_path_factory.mktemp("program-store")
+    warm_up = serve.WarmUp(engine, threads=2, store=serve.ProgramStore(root, engine))
+    warm_up.run()
+    threads = list(compiled)
+    want = generations(engine)
+    engine.generate(want, 4)
+    return types.SimpleNamespace(engine=engine, warm_up=warm_up, threads=threads, store=root, want=want)
 
 
 def make_engine(model):
@@ -56,12 +76,8 @@ def run_worker(engine, gens, waves=1):
 
 
 @pytest.mark.device
-def test_requests_are_served_by_compiled_programs_while_the_rest_compiles(model):
-    serial = make_engine(model)
-    serve.WarmUp(serial, threads=1).run()
-    want = generations(serial)
-    serial.generate(want, 4)
-
+def test_requests_are_served_by_compiled_programs_while_the_rest_compiles(model, warmed):
+    want = warmed.want
     engine = make_engine(model)
     warm_up = serve.WarmUp(engine, threads=2)
     warm_up.first()
@@ -87,7 +103,7 @@ def test_requests_are_served_by_compiled_programs_while_the_rest_compiles(model)
 
     assert serve.METRICS.request_compilations == requests_compiled  # nothing compiled on a request's behalf
     assert late[2].cached_tokens == 32
-    for got in (early, late):  # the same answers as after a serial warm-up, in whatever batch
+    for got in (early, late):  # the same answers as after a full warm-up, in whatever batch
         assert answers(got) == answers(want)
         for g, w in zip(got, want):
             np.testing.assert_allclose([lp for _, lp, _ in g.token_logprobs], [lp for _, lp, _ in w.token_logprobs],
@@ -95,12 +111,8 @@ def test_requests_are_served_by_compiled_programs_while_the_rest_compiles(model)
 
 
 @pytest.mark.device
-def test_a_parallel_warm_up_compiles_what_the_serial_one_runs(model):
-    engine = make_engine(model)
-    warm_up = serve.WarmUp(engine, threads=2)
-    compiled = []
-    serve.on_compilation(lambda: compiled.append(threading.current_thread().name))
-    warm_up.run()
+def test_a_parallel_warm_up_compiles_what_the_serial_one_runs(model, warmed):
+    engine, warm_up, compiled = warmed.engine, warmed.warm_up, warmed.threads
     # The passes that run each of the smallest batch's programs once compile nothing new: every
     # program was compiled ahead, with the very arguments its caller passes.
     names = {name for name, _, _ in warm_up.compiled}
@@ -127,11 +139,11 @@ def test_a_parallel_warm_up_compiles_what_the_serial_one_runs(model):
     assert not chunks_by_long.long_makes_chunks(2) and not engine.long_makes_chunks(1)  # engine dispatches ahead
     assert all(name.startswith("warm-up") for name in compiled[:len(warm_up.compiled)])
     assert len([n for n in compiled if not n.startswith("warm-up")]) <= 1  # at most the slot write
-    before = len(compiled)
-    gens = generations(engine, offset=3)
-    engine.generate(gens, 4)
+    compiled = []
+    serve.on_compilation(lambda: compiled.append(threading.current_thread().name))
+    engine.generate(generations(engine, offset=3), 4)
     engine.generate(generations(engine, offset=3), 1)
-    assert len(compiled) == before
+    assert compiled == []
 
 
 def test_long_decodes_are_built_on_a_cpu_only_and_in_the_smallest_batch(model, monkeypatch):
@@ -147,24 +159,22 @@ def test_long_decodes_are_built_on_a_cpu_only_and_in_the_smallest_batch(model, m
 
 
 @pytest.mark.device
-def test_a_restart_loads_every_program_from_the_store_and_answers_the_same(model, tmp_path):
+def test_a_restart_loads_every_program_from_the_store_and_answers_the_same(model, warmed, tmp_path):
     compiled = []
     serve.on_compilation(lambda: compiled.append(threading.current_thread().name))
-    first = make_engine(model)
-    build = serve.WarmUp(first, threads=2, store=serve.ProgramStore(tmp_path, first))
-    build.run()
-    want = generations(first)
-    first.generate(want, 4)
-    folder = build.build.store.dir
-    stored = sorted(f.name for f in folder.iterdir())
+    build, want = warmed.warm_up, warmed.want
+    assert build.build.store.dir.parent == warmed.store
+    stored = sorted(f.name for f in build.build.store.dir.iterdir())
     assert len(stored) == len(build.compiled) > 40 and "decode-batch-4-window-128-chunk-4.xla" in stored
+    root = shutil.copytree(warmed.store, tmp_path / "store")  # this test's own copy: it tears a file
+    folder = root / build.build.store.dir.name
 
     # A torn file (a crash mid-write cannot make one: files are renamed into place whole) is removed and its
     # program compiled anew; everything else loads, untraced: the jits' own caches stay empty.
     (folder / "decode-batch-2-window-64-chunk-1.xla").write_bytes(b"not a program")
     engine = make_engine(model)
     before = len(compiled)
-    warm_up = serve.WarmUp(engine, threads=2, store=serve.ProgramStore(tmp_path, engine))
+    warm_up = serve.WarmUp(engine, threads=2, store=serve.ProgramStore(root, engine))
     warm_up.run()
     assert [name for name, _, _ in warm_up.compiled] == ["decode batch 2 window 64 chunk 1"]
     assert len(warm_up.build.loaded) == len(stored) - 1 and len(compiled) - before == 1
@@ -180,7 +190,7 @@ def test_a_restart_loads_every_program_from_the_store_and_answers_the_same(model
 
     # Another shape of engine (batch sizes, prefix cache) is another folder: nothing stale is loaded.
     other = serve.Engine(model, [1, 2], [64, 128], None, dispatch_ahead=True)
-    assert serve.ProgramStore(tmp_path, other).dir != folder
+    assert serve.ProgramStore(root, other).dir != folder
 
 
 def test_cache_shapes_are_derived_from_one_traced_template(model):
@@ -271,13 +281,11 @@ def check_memory_table(server):
 
 
 @pytest.mark.device
-def test_the_warm_ups_programs_serve_on_once_its_tracing_is_dropped(model):
+def test_the_warm_ups_programs_serve_on_once_its_tracing_is_dropped(model, warmed):
     # Last in this file: it empties JAX's caches for the whole process, as the server does after its warm-up.
-    engine = make_engine(model)
-    warm_up = serve.WarmUp(engine, threads=2)
-    warm_up.run()
-    want = generations(engine)
-    engine.generate(want, 4)
+    # The shared warm-up's engine serves on for the tests that read it, whichever order they run in: that it
+    # does is what this test asserts.
+    engine, warm_up, want = warmed.engine, warmed.warm_up, warmed.want
     compiled = []
     serve.on_compilation(lambda: compiled.append(threading.current_thread().name))
     warm_up.build.drop_tracing()
