@@ -741,10 +741,26 @@ def process_rss():
         return 0
 
 
+def locked_bytes():
+    """This process's host memory that is locked or pinned (VmLck + VmPin: 0 where /proc says neither): part of
+    its RSS that no other process can have, e.g. a TPU runtime's buffer for transfers."""
+    total = 0
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(("VmLck:", "VmPin:")):
+                    total += int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 0
+    return total
+
+
 class MemoryLog:
     """Where the process's resident memory went: RSS at each stage of start-up (the differences add up to
     the last), next to the sizes of what the device holds (weights, each batch's KV cache, the prefix pool,
-    adapter slots). On a CPU those live inside the RSS; on a GPU or TPU they do not."""
+    adapter slots). On a CPU those live inside the RSS; on a GPU or TPU they do not. Of the RSS, what is locked
+    or pinned is said apart: on a TPU the runtime pins TPU_PREMAPPED_BUFFER_SIZE bytes (4 GiB by default) at
+    its start, for transfers (scripts/host_memory.py measures a start's steps one at a time)."""
 
     def __init__(self):
         self.stages = [("start", process_rss())]
@@ -758,8 +774,12 @@ class MemoryLog:
         parts = [f"{first} {base / 2**20:,.0f}"]
         for (_, before), (name, now) in zip(self.stages, self.stages[1:]):
             parts.append(f"{'+' if now >= before else '-'} {name} {abs(now - before) / 2**20:,.0f}")
-        return [f"memory: RSS {total / 2**20:,.0f} MiB = " + " ".join(parts),
-                "memory: held for the model: " + ", ".join(f"{what} {size / 2**20:,.1f} MiB" for what, size in self.held)]
+        lines = [f"memory: RSS {total / 2**20:,.0f} MiB = " + " ".join(parts),
+                 "memory: held for the model: " + ", ".join(f"{what} {size / 2**20:,.1f} MiB" for what, size in self.held)]
+        if locked := locked_bytes():
+            lines.append(f"memory: of the RSS, {locked / 2**20:,.0f} MiB locked or pinned (a device runtime's host "
+                         f"buffers; on a TPU, TPU_PREMAPPED_BUFFER_SIZE sets its transfer buffer)")
+        return lines
 
 
 def release_freed_memory():

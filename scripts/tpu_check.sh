@@ -6,7 +6,7 @@
 #                run(command="bash scripts/tpu_check.sh bench", carry=[".whl-tpu"], timeout_s=600)
 #
 # Stages, in this order (name some to run only those; default: tests train serve):
-#   tests  the in-process engine and training tests, on the chip: pytest -m device, in one process
+#   tests  the in-process engine and training tests, on the chip: pytest -m device, in one process (and its 15 slowest)
 #   train  train_local.py, the real command line, on a random Gemma of gemma-2b's shapes, bfloat16
 #   serve  serve.py --uds on it with the trained output as an adapter, driven by curl and scripts/uds_check.py:
 #          completions, chat, streaming, a prefix-cached system prompt, a JSON schema, the adapter; then tokens/s
@@ -21,6 +21,9 @@
 #          TPU_CHECK_LOAD_ENGINE (the engine alone's batch sizes, default the
 #          client counts; 0: skip it) make it lighter; TPU_CHECK_LOAD_CLIENTS=0 runs the engine alone only;
 #          TPU_CHECK_ENGINE_FLAGS adds tpu_check.py flags to the engine's run (e.g. "--writes select,scatter")
+#   memory the host memory of a start's steps (import jax, the backend, keras, keras_hub, serve) one at a time, split
+#          into anonymous, file-backed, locked and pinned (scripts/host_memory.py), again with the TPU runtime's
+#          pinned transfer buffer (TPU_PREMAPPED_BUFFER_SIZE) at 1 GiB: whose the 13.7 GB at "imports" is (issue #49)
 #   bench  scripts/tpu_check.py: train ms/step and MFU, decode tokens/s next to the bandwidth limit and warm-up
 #          seconds at batch 1, 8 and 64, for bfloat16, then int8, then int4 (one 2B warm-up per batch: minutes)
 # Every stage writes its log unbuffered under $OUT as it goes, so a call cut short still reports, and
@@ -98,7 +101,8 @@ model="$work/model-$config" tuned="$work/tuned-$config" sock="$work/serve.sock"
 for stage in $stages; do
   case $stage in
   tests)
-    run_stage tests python3 -m pytest -m device -q -p no:cacheprovider -o addopts= tests ${TPU_CHECK_K:+-k "$TPU_CHECK_K"}
+    run_stage tests python3 -m pytest -m device -q -p no:cacheprovider -o addopts= --durations=15 tests \
+      ${TPU_CHECK_K:+-k "$TPU_CHECK_K"}
     row "| tests (pytest -m device, on $(python3 -c 'import jax; print(jax.devices()[0].device_kind)' 2>/dev/null)) | $(grep -E '^[0-9]+ (passed|failed)|^=+ .*(passed|failed|error)' "$out/tests.log" | tail -1 | tr -d '=') |"
     ;;
   train)
@@ -168,6 +172,13 @@ print(f'import jax and start the backend, nothing else: {time.time() - t:.1f}s')
 text=True).stderr.splitlines(); lines = [l for l in lines if l.startswith('import time:') and 'cumulative' not in l]; \
 print(f'bytecode written: {not sys.dont_write_bytecode}', *sorted(lines, key=lambda l: -int(l.split('|')[1]))[:25], sep='\n')"
     ;;
+  memory)
+    # Issue #49 item 3: the host memory the server's table puts at "imports", step by step in a fresh process
+    # (scripts/host_memory.py), with the TPU runtime's pinned transfer buffer at its default and at 1 GiB.
+    log=memory run_stage host_memory python3 scripts/host_memory.py
+    TPU_PREMAPPED_BUFFER_SIZE=$((1 << 30)) log=memory run_stage host_memory_1gib python3 scripts/host_memory.py
+    grep -E "^(\||host memory|largest)" "$out/memory.log" | tee -a "$summary"
+    ;;
   bench)
     for q in ${TPU_CHECK_QUANTIZE:-none int8 int4}; do  # int4 last: a call cut short still has the first two
       flags=(--quantize "$q"); [ "$q" = none ] || flags+=(--steps 10)
@@ -210,7 +221,7 @@ print(f'bytecode written: {not sys.dont_write_bytecode}', *sorted(lines, key=lam
     fi
     kill -TERM $server 2>/dev/null; wait $server
     ;;
-  *) echo "unknown stage $stage (tests, train, serve, restart, load, bench)"; exit 2 ;;
+  *) echo "unknown stage $stage (tests, train, serve, restart, memory, load, bench)"; exit 2 ;;
   esac
 done
 # The numbers the README's "Checked on a TPU v5e" paragraph quotes, from this call's logs (issue #49): copy them.
