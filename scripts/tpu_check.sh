@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The accelerator check: the product on one TPU (or GPU) chip, in one call of the device tool.
 #
-#   here, once:  bash scripts/tpu_check.sh --fetch-wheels    # Python 3.11 wheels the TPU image lacks, into .whl-tpu/
+#   here, once:  bash scripts/tpu_check.sh --fetch-wheels [3.11]   # wheels the image lacks, into .whl-tpu/, for its
+#                                                                 # Python: 3.11 on the TPU VM, 3.12 on the H200's
 #   there:       run(command="bash scripts/tpu_check.sh", carry=[".whl-tpu"], timeout_s=600)
 #                run(command="bash scripts/tpu_check.sh bench", carry=[".whl-tpu"], timeout_s=600)
 #
@@ -36,8 +37,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--fetch-wheels" ]; then
   # keras-hub imports tokenizers; structured output reads SentencePiece's model proto (protobuf).
-  # kagglehub is left out: without kagglesdk it breaks keras-hub's import.
-  exec python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 --implementation cp \
+  # kagglehub is left out: without kagglesdk it breaks keras-hub's import. One Python's wheels at a time (two
+  # builds of one package stop the install there), so the folder is emptied first.
+  rm -rf .whl-tpu
+  exec python3 -m pip download -q --no-deps --only-binary=:all: --python-version "${2:-3.11}" --implementation cp \
     --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl-tpu \
     keras==3.15.1 keras-hub==0.32.0 tokenizers==0.23.3 sentencepiece==0.2.3 safetensors==0.8.0 llguidance==1.9.1 \
