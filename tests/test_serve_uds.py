@@ -227,3 +227,26 @@ def test_a_stale_socket_that_cannot_be_removed_is_one_line(trained_model, socket
     code, stderr = serve_fails("--model", trained_model, "--uds", path, before=refuse)
     assert_one_line(code, stderr, "cannot be removed", "not permitted")
     assert stat.S_ISSOCK(os.lstat(path).st_mode)
+
+
+def test_the_real_model_check_tells_rounding_from_a_different_answer():
+    # scripts/real_check.py (issue #49 item 4): answers that part where the CPU's token is this side's close
+    # runner-up are rounding (bfloat16 on another chip or XLA); a token far behind, or log-probabilities that
+    # moved, fail.
+    import real_check
+    top = [{t: -0.5, "z": -3.0} for t in "abcdefghijkl"]
+    want = [{"prompt": "p", "text": "a b c", "tokens": list("abcdefghijkl"), "logprobs": [-0.5] * 12, "top": top}]
+    same = [dict(want[0], logprobs=[-0.5] * 11 + [-0.6])]
+    near_tie = [dict(want[0], text="a b x", tokens=list("abcXefghijkl"),
+                     top=top[:3] + [{"X": -0.5, "d": -0.7}] + top[4:])]
+    gap = [dict(near_tie[0], top=top[:3] + [{"X": -0.5, "d": -1.5}] + top[4:])]
+    moved = [dict(want[0], logprobs=[-0.5] * 5 + [-1.0] + [-0.5] * 6)]
+    lines, good = real_check.compare(same, want)
+    assert good and lines[0].startswith("ok 'p': 12 of 12 tokens the same") and "within 0.100" in lines[0]
+    lines, good = real_check.compare(near_tie, want)
+    assert good and "3 of 12 tokens" in lines[0] and "near-tie ('d' 0.200 behind 'X')" in lines[0]
+    assert "the CPU's 'a b c'" in lines[0]
+    lines, good = real_check.compare(same + gap, want + want)
+    assert not good and lines[0].startswith("ok") and lines[1].startswith("FAILED") and "a gap ('d' 1.000" in lines[1]
+    lines, good = real_check.compare(moved, want)
+    assert not good and "within 0.500" in lines[0]
