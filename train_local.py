@@ -14,6 +14,7 @@ throughput are reported honestly. Options that change what is trained are flags 
 """
 import argparse
 import collections
+import contextlib
 import functools
 import json
 import math
@@ -886,13 +887,30 @@ def quantize_base(model, mode):
     import keras
     started = time.time()
     try:
-        model.backbone.quantize(mode, filters=lambda layer: isinstance(layer, (keras.layers.Dense,
-                                                                              keras.layers.EinsumDense)))
+        with one_collection_after():
+            model.backbone.quantize(mode, filters=lambda layer: isinstance(layer, (keras.layers.Dense,
+                                                                                  keras.layers.EinsumDense)))
     except Exception as e:
         raise UserError(f"--quantize {mode}: {type(model.backbone).__name__} cannot be quantized so: "
                         f"{type(e).__name__}: {str(e).splitlines()[0][:300]}") from None
     release_freed_memory()
     log(f"model: base's dense layers quantized to {mode} in {time.time() - started:.1f}s; LoRA stays float32")
+
+
+@contextlib.contextmanager
+def one_collection_after():
+    """Keras collects garbage every time a layer drops a variable (Layer.__delattr__), so that the device frees
+    its buffer at once; quantizing drops every kernel, and each collection walks the whole heap: 127 of them
+    were 37 of quantizing's 40-44 s for Gemma 3 270M on a CPU (the 2B's quantizing took 65 s on a TPU v5e).
+    The kernels go with their last reference anyway (the same peak RSS either way: 3,224 and 3,223 MiB), so
+    meanwhile collections are skipped; the caller collects once after (release_freed_memory)."""
+    import gc
+    collect = gc.collect
+    gc.collect = lambda generation=2: 0
+    try:
+        yield
+    finally:
+        gc.collect = collect
 
 
 def release_freed_memory():
