@@ -31,7 +31,7 @@ def model(tiny_model):
 def warmed(model, tmp_path_factory):
     """One full warm-up (on two threads, its programs stored) and the answers its engine gives, shared by the
     tests that read what a finished warm-up left: each full warm-up of this engine's shapes costs 35-40 s on
-    this CPU and more on a chip (issue #49: the device selection in one run). What the warm-up compiled, by
+    this CPU and about 25 s on a TPU v5e (issue #49: the device selection in one run). What the warm-up compiled, by
     thread, is kept from before any test's requests."""
     compiled = []
     serve.on_compilation(lambda: compiled.append(threading.current_thread().name))
