@@ -41,7 +41,7 @@ def status():
 def largest_mappings(top):
     """[(MiB resident, what)] of the `top` largest by resident size: each file's mappings together, and
     anonymous ones by their size (a runtime's buffer is one large anonymous mapping)."""
-    by_what, what, rss = collections.Counter(), None, 0
+    by_what, what = collections.Counter(), None
     try:
         with open("/proc/self/smaps") as f:
             for line in f:

