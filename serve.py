@@ -388,7 +388,7 @@ class Metrics:
                 labels = ",".join(f'{k}="{v}"' for k, v in sorted(self.weights.items()))
                 lines += ["# HELP serve_model_info The served model's dtype and quantization.",
                           "# TYPE serve_model_info gauge", f"serve_model_info{{{labels}}} 1"]
-        return "\n".join(lines + WORKER_CLOCK.render() + TIMELINE.render()) + "\n"
+        return "\n".join(lines + WORKER_CLOCK.render() + TIMELINE.render() + THREAD_CPU.render()) + "\n"
 
 
 METRICS = Metrics()
@@ -534,7 +534,86 @@ class DeviceTimeline:
             f"serve_prefill_stall_seconds_total {self.stall:.6f}"]
 
 
-WORKER_CLOCK, TIMELINE = PartClock(), DeviceTimeline()
+class ThreadCPU:
+    """The process's CPU time by kind of thread, to tell whether the GIL is the wall (issue #48): Python's
+    threads run Python one at a time, so when the model worker's and the HTTP threads' CPU together come near
+    the wall time, the worker waits for the GIL and an HTTP front end in a process of its own would pay; well
+    below it, it would not. A live thread's time is read from /proc/self/task (Linux: elsewhere none is
+    given); an HTTP thread's is kept as it ends, since each connection has a thread of its own."""
+    ROLES = {"worker": "the model worker", "http": "the threads that read requests and write answers and streams",
+             "python_other": "every other Python thread (the warm-up's, the device timeline, the reaper)",
+             "native": "the rest: threads Python did not start (the XLA runtime's), and Python threads that came "
+                       "and went between two readings"}
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.http = set()  # native ids of the HTTP threads running
+        self.http_ended = 0.0
+        # Other threads' time as last read, and of those that ended, so that their time stays theirs (up to
+        # their last reading): a counter that fell whenever the warm-up's threads ended would say nothing.
+        self.seen, self.ended = {}, dict.fromkeys(("worker", "python_other"), 0.0)
+        self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    @contextlib.contextmanager
+    def http_thread(self):
+        tid = threading.get_native_id()
+        with self.lock:
+            self.http.add(tid)
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.http.discard(tid)
+                self.http_ended += time.thread_time()
+
+    def of_thread(self, tid):
+        """A live thread's CPU seconds (0 if it has just ended): utime and stime, in clock ticks."""
+        try:
+            with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+                fields = f.read().rpartition(b")")[2].split()
+        except OSError:
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / self.tick
+
+    def totals(self):
+        """{role: CPU seconds}, or None where /proc cannot tell."""
+        if not os.path.isdir("/proc/self/task"):
+            return None
+        seconds = dict.fromkeys(self.ROLES, 0.0)
+        with self.lock:  # an HTTP thread that ends meanwhile waits, then counts once, as ended
+            process = time.process_time()
+            seconds["http"] = self.http_ended
+            live = {}
+            for thread in threading.enumerate():
+                tid = thread.native_id
+                if tid in self.http:
+                    seconds["http"] += self.of_thread(tid)
+                    continue
+                role = "worker" if thread.name == "model-worker" else "python_other"
+                live[thread] = role, self.of_thread(tid)
+            for thread, (role, last) in self.seen.items():
+                if thread not in live:
+                    self.ended[role] += last
+            self.seen = live
+            for role, last in live.values():
+                seconds[role] += last
+            for role, ended in self.ended.items():
+                seconds[role] += ended
+        seconds["native"] = max(0.0, process - sum(seconds.values()))
+        return seconds
+
+    def render(self):
+        seconds = self.totals()
+        if seconds is None:
+            return []
+        return ["# HELP serve_thread_cpu_seconds_total The process's CPU time by thread (" + "; ".join(
+                f"{role}: {what}" for role, what in self.ROLES.items()) + "). The Python threads hold one GIL: "
+                "worker and http together near the wall time say it is the wall.",
+                "# TYPE serve_thread_cpu_seconds_total counter"] + [
+            f'serve_thread_cpu_seconds_total{{role="{role}"}} {s:.6f}' for role, s in seconds.items()]
+
+
+WORKER_CLOCK, TIMELINE, THREAD_CPU = PartClock(), DeviceTimeline(), ThreadCPU()
 
 
 def label(value):
@@ -5012,6 +5091,10 @@ class Listener(ThreadingHTTPServer):
             refuse_connection(request, self.app.args.max_connections)
             return
         super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address):
+        with THREAD_CPU.http_thread():
+            super().process_request_thread(request, client_address)
 
     def shutdown_request(self, request):
         with self.deadlines_lock:

@@ -10,7 +10,9 @@ after, where the model worker's wall time went (serve_worker_seconds_total: wait
 tokens, or host work: admitting, dispatching, handing out tokens; of that, how much was the worker's own CPU,
 serve_worker_cpu_seconds_total: the rest it waited for the GIL) and the device's (serve_device_busy_
 seconds_total by program, and idle between a batch's dispatches: the host was the wall), the prefill
-dispatches and the decode time they stalled. With --engine-log, a log of scripts/tpu_check.py's decode
+dispatches and the decode time they stalled, and the process's CPU time by thread (serve_thread_cpu_seconds_total:
+the model worker's and the HTTP threads' together near 100% of the wall time, one GIL's worth, say the GIL is the
+wall and a front end in its own process would pay). With --engine-log, a log of scripts/tpu_check.py's decode
 runs ("generate: batch N: X tok/s"), each row also gives the engine's own decode at the level's batch size,
 measured alone in the same run, and the server's share of it. Standard library only: it runs on a TPU VM.
 With --grammar, the first level once more with one client asking for JSON throughout (issue #48 item 4).
@@ -124,6 +126,12 @@ def describe(row, alone):
     engine = next((alone[b] for b in sorted(alone) if b >= active), alone.get(max(alone), 0) if alone else 0)
     share = f"{row['tokens_per_second'] / engine:.0%} of {engine:,.0f}" if engine else "-"
     prefills = dispatches.get("prefill", 0) + dispatches.get("prefill_group", 0)
+    threads = labelled(m, "serve_thread_cpu_seconds_total")
+    python = threads.get("worker", 0) + threads.get("http", 0)
+    gil = (f"worker + HTTP {python / row['seconds']:.0%} (worker {threads.get('worker', 0) / row['seconds']:.0%}, "
+           f"HTTP {threads.get('http', 0) / row['seconds']:.0%}), other Python "
+           f"{threads.get('python_other', 0) / row['seconds']:.0%}, native {threads.get('native', 0) / row['seconds']:.0%}"
+           if threads else "-")
     return (f"| {row['clients']} | {row['requests']} ({row['errors']} failed, {row['retries']} retried 503s) | "
             f"{row['tokens_per_second']:,.0f} | {row['ttft_p50_ms']:,.0f} / {row['ttft_p99_ms']:,.0f} ms | {share} | "
             f"{active} | {worker.get('read', 0) / wall:.0%} read, {host / wall:.0%} host "
@@ -135,7 +143,7 @@ def describe(row, alone):
             f"{busy.get('prefill', 0) + busy.get('prefill_group', 0):.2f}s, idle {idle:.2f}s of {row['seconds']:.1f}s | "
             f"{prefills:.0f} ({dispatches.get('prefill_group', 0):.0f} groups of "
             f"{m.get('serve_grouped_prompts_total', 0):.0f}), stalling {m.get('serve_prefill_stall_seconds_total', 0):.2f}s "
-            f"| {dispatches.get('decode', 0) + dispatches.get('decode_long', 0):.0f} |")
+            f"| {dispatches.get('decode', 0) + dispatches.get('decode_long', 0):.0f} | {gil} |")
 
 
 def main():
@@ -144,7 +152,8 @@ def main():
     alone = engine_alone(args.engine_log)
     compilations = scrape(args.socket).get("serve_request_compilations_total", 0)
     print("| clients | requests | tok/s | TTFT p50 / p99 | of the engine alone | batch | worker's wall time | "
-          "device time | prefill dispatches | decode dispatches |\n|---|---|---|---|---|---|---|---|---|---|", flush=True)
+          "device time | prefill dispatches | decode dispatches | threads' CPU, of the wall time |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     rows, failed = [], 0
     for clients in map(int, args.clients.split(",")):
         row = level(args.socket, clients, args.rounds, args.max_tokens)

@@ -5,6 +5,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -398,6 +399,61 @@ def test_the_worker_s_time_adds_up_and_each_dispatch_is_counted_and_timed(server
         busy['serve_device_busy_seconds_total{program="decode_long"}'] > 0
     idle = after["serve_device_idle_seconds_total"] - before["serve_device_idle_seconds_total"]
     assert 0 <= sum(busy.values()) + idle <= wall * 1.05 + 0.05
+
+
+def test_the_process_s_cpu_time_is_told_by_thread_so_the_gil_s_load_shows(server):
+    # Issue #48: whether the HTTP front end would pay in a process of its own depends on how much of one GIL
+    # the model worker and the HTTP threads use together; /metrics says it by kind of thread.
+    threads = serve.ThreadCPU()
+    if threads.totals() is None:
+        pytest.skip("no /proc: thread CPU times are Linux-only")
+
+    def burn(seconds, done=None):
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+        if done is not None:
+            done.wait()
+
+    def http_thread(seconds, done=None):
+        with threads.http_thread():
+            burn(seconds, done)
+    before, done = threads.totals(), threading.Event()
+    live = threading.Thread(target=http_thread, args=(0.3, done))
+    live.start()
+    time.sleep(0.5)
+    running = threads.totals()  # the live one's time comes from /proc
+    assert 0.25 <= running["http"] - before["http"] <= 0.45, (before, running)
+    done.set()
+    live.join()
+    ended = threads.totals()  # its whole time kept as it ended, never less than /proc said
+    assert running["http"] <= ended["http"] + 1e-9 and ended["http"] - before["http"] < 0.45
+    done = threading.Event()
+    other = threading.Thread(target=burn, args=(0.3, done), name="another")
+    other.start()
+    time.sleep(0.5)
+    burning = threads.totals()
+    assert burning["python_other"] - ended["python_other"] >= 0.25
+    done.set()
+    other.join()
+    after = threads.totals()
+    assert after["http"] == ended["http"]  # an ordinary thread that ended is not an HTTP thread
+    assert after["python_other"] >= burning["python_other"]  # and keeps its time once it has ended
+    assert abs(sum(after.values()) - time.process_time()) < 0.1  # the roles share out the process's time
+
+    def scrape():
+        _, text, _ = http("GET", server.url + "/metrics")
+        return {line[len("serve_thread_cpu_seconds_total{role=\""):].partition("\"")[0]: float(line.rpartition(" ")[2])
+                for line in text.splitlines() if line.startswith("serve_thread_cpu_seconds_total{")}
+    first = scrape()
+    assert set(first) == set(serve.ThreadCPU.ROLES)
+    for i in range(4):
+        status, _, _ = post(server, {"prompt": f"Threads {i} " * 20, "max_tokens": 16, "stream": True},
+                            "/v1/completions")
+        assert status == 200
+    second = scrape()
+    assert second["http"] > first["http"] and second["worker"] > first["worker"], (first, second)
+    assert all(second[r] >= first[r] - 0.02 for r in ("worker", "http", "native")), (first, second)
 
 
 @pytest.mark.parametrize("chunk", [1, 4, 7])
