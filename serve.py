@@ -101,6 +101,10 @@ SAMPLER_DEFAULTS = {  # keras-hub's samplers' defaults: the article's "top_k" is
     "top_p": {"temperature": 1.0, "top_k": CANDIDATES, "top_p": 0.1},
 }
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# A generation's own latencies, in vLLM's buckets (its time_to_first_token_seconds and time_per_output_token_
+# seconds), so that a dashboard made for one reads the other.
+FIRST_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
+PER_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
 
 
 def number_or_auto(p, flag, value):
@@ -253,14 +257,40 @@ def log(message):
 
 # ----------------------------------------------------------------------------- metrics
 
+class Histogram:
+    """A Prometheus histogram: counts per upper bound, their sum. Its owner holds the lock."""
+
+    def __init__(self, name, help, buckets):
+        self.name, self.help, self.buckets = name, help, buckets
+        self.counts, self.sum = [0] * (len(buckets) + 1), 0.0
+
+    def observe(self, seconds):
+        self.sum += seconds
+        self.counts[next((i for i, b in enumerate(self.buckets) if seconds <= b), len(self.buckets))] += 1
+
+    def render(self):
+        lines, cumulative = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"], 0
+        for bound, count in zip(list(self.buckets) + ["+Inf"], self.counts):
+            cumulative += count
+            lines.append(f'{self.name}_bucket{{le="{bound}"}} {cumulative}')
+        return lines + [f"{self.name}_sum {self.sum}", f"{self.name}_count {cumulative}"]
+
+
 class Metrics:
     """Prometheus text exposition, kept by hand: a few counters need no client library."""
 
     def __init__(self):
         self.lock = threading.Lock()
         self.requests = {}          # (path, status) -> count
-        self.latency_counts = [0] * (len(LATENCY_BUCKETS) + 1)
-        self.latency_sum = 0.0
+        self.latency = Histogram("serve_request_latency_seconds", "Latency of generation requests.", LATENCY_BUCKETS)
+        # Each generation's (the n answers of a request are n): from its request's arrival to the worker taking
+        # it (a row free), to its first token, and then per further token, as the worker hands them out.
+        self.generation = [
+            Histogram("serve_request_queue_seconds", "A generation's wait for a row of the batch.", FIRST_TOKEN_BUCKETS),
+            Histogram("serve_time_to_first_token_seconds", "From a generation's request arriving to its first "
+                      "token.", FIRST_TOKEN_BUCKETS),
+            Histogram("serve_time_per_output_token_seconds", "A generation's time per token after its first (its "
+                      "mean, for those of two tokens or more).", PER_TOKEN_BUCKETS)]
         self.prompt_tokens = self.generated_tokens = self.compilations = self.cancelled = 0
         self.request_compilations = self.compile_cache_hits = 0
         self.warm_up_pending = lambda: 0
@@ -273,15 +303,20 @@ class Metrics:
         self.weight_bytes, self.weights = 0, {}  # weights: labels of serve_model_info
         self.batch_sizes = {}
         self.models = {}  # model (base or adapter) name -> (generation requests, generated tokens)
-        self.queue_depth = self.open_connections = lambda: 0
+        self.queue_depth = self.open_connections = self.running = lambda: 0
 
     def observe_request(self, path, status, seconds):
         with self.lock:
             self.requests[(path, status)] = self.requests.get((path, status), 0) + 1
             if seconds is not None:
-                self.latency_sum += seconds
-                index = next((i for i, b in enumerate(LATENCY_BUCKETS) if seconds <= b), len(LATENCY_BUCKETS))
-                self.latency_counts[index] += 1
+                self.latency.observe(seconds)
+
+    def observe_generation(self, latencies):
+        """A finished generation's Generation.latencies(), those it had."""
+        with self.lock:
+            for histogram, seconds in zip(self.generation, latencies):
+                if seconds is not None:
+                    histogram.observe(max(0.0, seconds))
 
     def add(self, name, amount=1):
         with self.lock:
@@ -307,14 +342,11 @@ class Metrics:
                      "# TYPE serve_requests_total counter"]
             lines += [f'serve_requests_total{{path="{p}",status="{s}"}} {n}'
                       for (p, s), n in sorted(self.requests.items())]
-            lines += ["# HELP serve_request_latency_seconds Latency of generation requests.",
-                      "# TYPE serve_request_latency_seconds histogram"]
-            cumulative = 0
-            for bound, count in zip(list(LATENCY_BUCKETS) + ["+Inf"], self.latency_counts):
-                cumulative += count
-                lines.append(f'serve_request_latency_seconds_bucket{{le="{bound}"}} {cumulative}')
-            lines += [f"serve_request_latency_seconds_sum {self.latency_sum}",
-                      f"serve_request_latency_seconds_count {cumulative}",
+            lines += self.latency.render()
+            for histogram in self.generation:
+                lines += histogram.render()
+            lines += ["# HELP serve_requests_running Generations decoding in the batch's rows now.",
+                      "# TYPE serve_requests_running gauge", f"serve_requests_running {self.running()}",
                       "# HELP serve_prompt_tokens_total Prompt tokens of generation requests.",
                       "# TYPE serve_prompt_tokens_total counter", f"serve_prompt_tokens_total {self.prompt_tokens}",
                       "# HELP serve_cached_prompt_tokens_total Prompt tokens whose KV came from the prefix cache.",
@@ -3552,13 +3584,23 @@ class Generation:
         self.logprobs, self.token_logprobs, self.logprobs_sent = logprobs, [], 0
         self.cancelled = False  # set by the HTTP thread when the client leaves; the worker acts on it
         self.enqueued = time.time()
-        self.started = None
+        self.started = self.first_token_at = self.finished_at = None
         self.done = threading.Event()
+
+    def latencies(self):
+        """(its wait for a row, its time to first token, its mean time per token after the first), None for
+        those it did not reach."""
+        first, tokens = self.first_token_at, len(self.ids)
+        return (None if self.started is None else self.started - self.enqueued,
+                None if first is None else first - self.enqueued,
+                (self.finished_at - first) / (tokens - 1) if first and self.finished_at and tokens > 1 else None)
 
     def accept(self, token, engine, alternatives=None, emit=True):
         """Takes one generated token (and, when asked for, its log-probabilities: (logprob, top logprobs,
         top ids)); returns True when this generation has finished. `emit`: stream what is new now (settle()
         says False, and emits once per chunk: one event and one socket write for its tokens, not one each)."""
+        if self.first_token_at is None:
+            self.first_token_at = time.time()
         if token in self.stop_ids or (token in engine.stop_ids and not self.ignore_eos):
             return self.finish("stop", engine)
         if self.matcher is not None:
@@ -3629,7 +3671,7 @@ class Generation:
             self.text = engine.decode(self.ids)
         if reason == "cancelled":
             METRICS.add("cancelled")
-        self.finish_reason = reason
+        self.finish_reason, self.finished_at = reason, time.time()
         release_all([self])
         self.emit(final=True)
         self.done.set()
@@ -3661,6 +3703,11 @@ class Worker:
         self.batch = None  # the DecodeBatch running, if any
         self.thread = None
         METRICS.queue_depth = self.depth
+        METRICS.running = self.running
+
+    def running(self):
+        batch = self.batch  # read once: the worker drops it when a batch's run ends
+        return 0 if batch is None else batch.active
 
     def start(self):
         self.thread = threading.Thread(target=self.run, daemon=True, name="model-worker")
@@ -5253,6 +5300,8 @@ def record_request(method, path, status, started, gens, request_id):
         METRICS.add("cached_prompt_tokens", cached)
         METRICS.add("generated_tokens", completion_tokens)
         METRICS.observe_model(gens[0].model, completion_tokens)
+        for g in gens:
+            METRICS.observe_generation(g.latencies())
         queue_wait = max((g.started or time.time()) - g.enqueued for g in gens)
         reasons = ",".join(sorted({g.finish_reason or "cancelled" for g in gens}))
         line += (f" prompt={prompt_tokens} cached={cached} completion={completion_tokens} "

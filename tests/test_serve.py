@@ -456,6 +456,44 @@ def test_the_process_s_cpu_time_is_told_by_thread_so_the_gil_s_load_shows(server
     assert all(second[r] >= first[r] - 0.02 for r in ("worker", "http", "native")), (first, second)
 
 
+def test_each_generation_s_queue_wait_first_token_and_time_per_token_are_histograms(server):
+    # What a vLLM dashboard reads (its time_to_first_token_seconds, time_per_output_token_seconds,
+    # num_requests_running), in its buckets: the server's own view of issue #48's time to first token.
+    names = ("serve_request_queue_seconds", "serve_time_to_first_token_seconds", "serve_time_per_output_token_seconds")
+
+    def scrape():
+        _, text, _ = http("GET", server.url + "/metrics")
+        return {line.rpartition(" ")[0]: float(line.rpartition(" ")[2]) for line in text.splitlines()
+                if line and not line.startswith("#")}
+    before = scrape()
+    for name in names:
+        buckets = [v for k, v in before.items() if k.startswith(name + "_bucket")]
+        assert len(buckets) == 20 and buckets == sorted(buckets) and buckets[-1] == before[name + "_count"]
+    started = time.perf_counter()
+    status, body, _ = post(server, {"prompt": ["One", "Two"], "max_tokens": 8, "temperature": 0, "n": 2,
+                                    "ignore_eos": True}, "/v1/completions")
+    assert status == 200 and len(body["choices"]) == 4
+    status, body, _ = post(server, {"prompt": "Three", "max_tokens": 1, "ignore_eos": True}, "/v1/completions")
+    assert status == 200
+    wall = time.perf_counter() - started
+    after = scrape()
+    counts = [after[n + "_count"] - before[n + "_count"] for n in names]
+    sums = [after[n + "_sum"] - before[n + "_sum"] for n in names]
+    assert counts == [5, 5, 4], counts  # every generation waited and had a first token; one had no second
+    assert 0 <= sums[0] <= sums[1] <= wall * 4  # a first token comes after the row is taken, inside the requests
+    assert 0 < sums[2] / 4 < wall
+    assert after["serve_requests_running"] == 0
+    # While one streams, it holds a row.
+    request = urllib.request.Request(server.url + "/v1/completions", method="POST", headers={
+        "Content-Type": "application/json"}, data=json.dumps({"prompt": "Hi", "max_tokens": 200, "temperature": 0,
+                                                               "ignore_eos": True, "stream": True}).encode())
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert response.readline().startswith(b"data: ")
+        assert scrape()["serve_requests_running"] >= 1
+        response.read()
+    assert scrape()["serve_requests_running"] == 0
+
+
 @pytest.mark.parametrize("chunk", [1, 4, 7])
 def test_text_made_a_chunk_at_a_time_is_the_whole_answer_s_decoding(tiny_model, chunk):
     # Generation.detokenize decodes only the new tokens and the few before them (issue #48): every streamed
