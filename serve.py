@@ -572,7 +572,7 @@ class ThreadCPU:
     the wall time, the worker waits for the GIL and an HTTP front end in a process of its own would pay; well
     below it, it would not. A live thread's time is read from /proc/self/task (Linux: elsewhere none is
     given); an HTTP thread's is kept as it ends, since each connection has a thread of its own."""
-    ROLES = {"worker": "the model worker", "http": "the threads that read requests and write answers and streams",
+    ROLES = {"worker": "the model worker", "http": "the threads that read requests and write answers, and the one that writes every stream",
              "python_other": "every other Python thread (the warm-up's, the device timeline, the reaper)",
              "native": "the rest: threads Python did not start (the XLA runtime's), and Python threads that came "
                        "and went between two readings"}
@@ -583,7 +583,7 @@ class ThreadCPU:
         self.http_ended = 0.0
         # Other threads' time as last read, and of those that ended, so that their time stays theirs (up to
         # their last reading): a counter that fell whenever the warm-up's threads ended would say nothing.
-        self.seen, self.ended = {}, dict.fromkeys(("worker", "python_other"), 0.0)
+        self.seen, self.ended = {}, dict.fromkeys(("worker", "http", "python_other"), 0.0)
         self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
     @contextlib.contextmanager
@@ -621,7 +621,7 @@ class ThreadCPU:
                 if tid in self.http:
                     seconds["http"] += self.of_thread(tid)
                     continue
-                role = "worker" if thread.name == "model-worker" else "python_other"
+                role = {"model-worker": "worker", "stream-writer": "http"}.get(thread.name, "python_other")
                 live[thread] = role, self.of_thread(tid)
             for thread, (role, last) in self.seen.items():
                 if thread not in live:
@@ -4020,7 +4020,7 @@ def completions(server, req):
     base = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
             "model": pick_model(server, body)[0]}
     if stream:
-        events, offsets = queue.Queue(), collections.defaultdict(int)
+        events, offsets = STREAMS.events(), collections.defaultdict(int)
 
         def render(index, text, reason, entries):
             rendered = None
@@ -4080,7 +4080,7 @@ def chat_completions(server, req):
                               grammar=matcher, n=n)
     if stream:
         base["object"] = "chat.completion.chunk"
-        events, calls = queue.Queue(), collections.defaultdict(ToolCallStream)
+        events, calls = STREAMS.events(), collections.defaultdict(ToolCallStream)
 
         def chunk(index, delta, reason=None, entries=None):
             content = {"content": chat_logprobs(engine, entries)} if keep is not None and entries else None
@@ -4982,37 +4982,151 @@ def wait_for(gens, req):
     return gens
 
 
+def sse(payload):
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
 def stream_events(gens, events, render, first=(), last=None):
-    """Server-sent events: the payloads in `first`, then what render(index, text, finish_reason, logprob
-    entries) makes of each piece, then last() and `data: [DONE]`. Closing the stream cancels what is left.
-    Each yield is every event that has come meanwhile, for one socket write: the worker sends a row's
-    tokens once per chunk, and the n answers of a request each send theirs."""
-    def sse(payload):
-        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-    try:
-        if first:  # at once: the client learns its stream has started before the first token is made
-            yield "".join(sse(payload) for payload in first).encode()
-        finished = 0
-        while finished < len(gens):
-            pieces = [events.get()]
+    """A streamed reply of server-sent events: the payloads in `first`, then what render(index, text,
+    finish_reason, logprob entries) makes of each piece the generations put in `events` (an EventStream from
+    STREAMS.events(), given to them before they started), then last() and `data: [DONE]`."""
+    events.gens, events.render, events.first, events.last = gens, render, first, last
+    return events
+
+
+class EventStream:
+    """One streamed reply. The worker puts each generation's pieces here as it hands out a chunk; the one
+    StreamWriter thread renders and writes them, so that no HTTP thread wakes per chunk. Until the handler
+    has written the headers (open), pieces wait. Ended, it cancels what is left of its generations and lets
+    the handler go on: with `error` set when the client left or could not be written to."""
+    OPEN = object()
+
+    def __init__(self, writer):
+        self.writer, self.waiting = writer, []
+        self.gens, self.render, self.first, self.last = [], None, (), None
+        self.connection, self.out, self.finished, self.closing = None, bytearray(), 0, False
+        self.timeout, self.stalled_since, self.error, self.over = None, None, None, False
+        self.done = threading.Event()
+
+    def put(self, piece):
+        self.writer.queue.put((self, piece))
+
+    def serve(self, connection, wfile, timeout):
+        """The handler's part, after the headers: the first payloads at once (the client learns its stream
+        has started before the first token is made), then the writer takes the socket until the end."""
+        try:
+            if self.first:
+                wfile.write("".join(sse(payload) for payload in self.first).encode())
+            connection.setblocking(False)  # the writer must never wait on one client
+            self.connection, self.timeout = connection, timeout
+            self.writer.queue.put((self, self.OPEN))
+            self.done.wait()
+        finally:
+            self.over = True
+            for g in self.gens:
+                g.cancel()
+        if self.error is not None:
+            raise self.error
+
+    def take(self, piece):
+        """The writer's: renders a piece (or, at OPEN, those that waited) into bytes to send."""
+        if piece is not self.OPEN and self.waiting is not None:
+            self.waiting.append(piece)
+            return
+        pieces, self.waiting = (self.waiting or []) if piece is self.OPEN else [piece], None
+        out = []
+        for index, text, reason, entries in pieces:
+            if reason == "cancelled":
+                return self.end(ClientGone())
+            self.finished += reason is not None
+            out += [sse(payload) for payload in self.render(index, text, reason, entries)]
+        if self.finished == len(self.gens) and not self.closing:
+            out += [sse(self.last())] if self.last is not None else []
+            out.append("data: [DONE]\n\n")
+            self.closing = True
+        self.out += "".join(out).encode()
+
+    def flush(self):
+        """The writer's: sends what the socket takes now; True while bytes wait for it."""
+        if self.over or self.waiting is not None:
+            return False
+        sent = False
+        try:
+            while self.out:
+                del self.out[:self.connection.send(self.out)]
+                sent = True
+        except BlockingIOError:
+            now = time.monotonic()
+            if sent or self.stalled_since is None:
+                self.stalled_since = now
+            elif now - self.stalled_since > self.timeout:  # as a blocking write's timeout would
+                self.end(TimeoutError("the client read nothing of its stream"))
+                return False
+            return True
+        except OSError as e:  # the client went away while we wrote
+            self.end(e)
+            return False
+        self.stalled_since = None
+        if self.closing:
+            self.end(None)
+        return False
+
+    def end(self, error):
+        self.error, self.over, self.out = error, True, bytearray()
+        self.done.set()
+
+
+class StreamWriter:
+    """The thread that writes every streamed reply (issue #48). With a thread per client woken for each
+    chunk's event, the HTTP side cost about 90-105 us of CPU an event (wake-ups and GIL hand-offs; 64 and
+    256 clients, BENCHMARKS), as much GIL as the model worker held under load; one thread that takes every
+    event that has come and sends each client's in one write costs 12-16. Sockets are written without
+    blocking: a client that reads slowly keeps its bytes waiting (tried again every WRITE_RETRY_SECONDS),
+    and one that reads nothing for its handler's timeout is dropped alone."""
+
+    def __init__(self):
+        self.queue, self.lock, self.thread = queue.Queue(), threading.Lock(), None
+
+    def events(self):
+        """A new reply's EventStream, for its generations to put their pieces in."""
+        with self.lock:
+            if self.thread is None:
+                self.thread = threading.Thread(target=self.run, daemon=True, name="stream-writer")
+                self.thread.start()
+        return EventStream(self)
+
+    def run(self):
+        stalled = set()
+        while True:
+            try:
+                items = [self.queue.get(timeout=WRITE_RETRY_SECONDS if stalled else None)]
+            except queue.Empty:
+                items = []
             while True:
                 try:
-                    pieces.append(events.get_nowait())
+                    items.append(self.queue.get_nowait())
                 except queue.Empty:
                     break
-            out = []
-            for index, text, reason, entries in pieces:
-                if reason == "cancelled":
-                    raise ClientGone()
-                finished += reason is not None
-                out += [sse(payload) for payload in render(index, text, reason, entries)]
-            if finished == len(gens):
-                out += [sse(last())] if last is not None else []
-                out.append("data: [DONE]\n\n")
-            yield "".join(out).encode()
-    finally:
-        for g in gens:
-            g.cancel()
+            touched = dict.fromkeys(stream for stream, _ in items)  # in order of arrival
+            for stream, piece in items:
+                self.guarded(stream, stream.take, piece)
+            for stream in list(touched) + [s for s in stalled if s not in touched]:
+                (stalled.add if self.guarded(stream, stream.flush) else stalled.discard)(stream)
+
+    @staticmethod
+    def guarded(stream, step, *args):
+        """A bug in one reply's rendering costs that reply, not every stream."""
+        if stream.over:
+            return False
+        try:
+            return step(*args)
+        except Exception as e:
+            stream.end(e)
+            return False
+
+
+WRITE_RETRY_SECONDS = 0.01
+STREAMS = StreamWriter()
 
 
 # ----------------------------------------------------------------------------- HTTP plumbing
@@ -5540,12 +5654,7 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Connection", "close")
         self.end_headers()
         self.close_connection = True
-        try:
-            for chunk in reply.stream:
-                self.wfile.write(chunk)
-                self.wfile.flush()
-        finally:
-            reply.stream.close()
+        reply.stream.serve(self.connection, self.wfile, self.timeout)
         return reply.status
 
 

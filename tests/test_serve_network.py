@@ -288,3 +288,67 @@ def test_no_two_log_lines_join_under_96_concurrent_clients(server):
     # Each request line is one line: a timestamp, one request, and nothing joined after its finish reasons.
     assert all(re.fullmatch(r"\d\d:\d\d:\d\d POST / \d{3} \d+ms id=\S+( prompt=.* finish=[a-z,]+)?", line)
                for line in requests), [line for line in requests if line.count("POST") > 1][:3]
+
+
+def test_one_thread_writes_every_stream_and_a_client_that_stops_reading_is_dropped_alone():
+    """Streams are written by one StreamWriter thread (issue #48), without blocking: a client that reads
+    nothing holds back no other stream, and is dropped after its handler's timeout with its generations
+    cancelled; pieces put before the handler opened the stream come first, in order; a cancelled piece
+    ends the stream as a client that left."""
+    import types
+
+    import serve
+    writer = serve.StreamWriter()
+
+    def stream(first=()):
+        events = writer.events()
+        gens = [types.SimpleNamespace(cancelled=False)]
+        gens[0].cancel = lambda g=gens[0]: setattr(g, "cancelled", True)
+        return serve.stream_events(gens, events, lambda i, text, reason, e: [{"text": text, "reason": reason}],
+                                   first=first, last=lambda: {"usage": 1}), gens[0]
+
+    def serve_in_thread(events, connection, timeout):
+        outcome = {}
+
+        def run():
+            try:
+                events.serve(connection, connection.makefile("wb", buffering=0), timeout)
+                outcome["error"] = None
+            except Exception as e:
+                outcome["error"] = e
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread, outcome
+    text = "x" * 2000
+    reading, reading_client = socket.socketpair()
+    stuck, stuck_client = socket.socketpair()
+    stuck.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    stuck_client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    ok, ok_gen = stream(first=[{"first": True}])
+    blocked, blocked_gen = stream()
+    ok.put((0, "early", None, []))  # before the handler opened it: it waits for the headers
+    threads = [serve_in_thread(ok, reading, 30), serve_in_thread(blocked, stuck, 0.5)]
+    for k in range(300):
+        for events in (ok, blocked):
+            events.put((0, text if k < 299 else "end", "length" if k == 299 else None, []))
+    reading_client.settimeout(10)
+    received, started = b"", time.monotonic()
+    while not received.endswith(b"data: [DONE]\n\n"):
+        received += reading_client.recv(1 << 16)
+    assert time.monotonic() - started < 5  # not held back by the client that reads nothing
+    events = [json.loads(e[len("data: "):]) for e in received.decode().split("\n\n") if e and e != "data: [DONE]"]
+    assert events[0] == {"first": True} and events[1]["text"] == "early" and events[-2]["text"] == "end"
+    assert events[-1] == {"usage": 1} and len(events) == 2 + 300 + 1
+    for thread, _ in threads:
+        thread.join(10)
+    assert threads[0][1]["error"] is None
+    assert isinstance(threads[1][1]["error"], TimeoutError) and blocked_gen.cancelled
+    gone, gone_gen = stream()
+    ours, theirs = socket.socketpair()
+    thread, outcome = serve_in_thread(gone, ours, 30)
+    gone.put((0, "a", None, []))
+    gone.put((0, "", "cancelled", []))
+    thread.join(10)
+    assert isinstance(outcome["error"], serve.ClientGone) and gone_gen.cancelled
+    for s in (reading, reading_client, stuck, stuck_client, ours, theirs):
+        s.close()
