@@ -4994,6 +4994,14 @@ def stream_events(gens, events, render, first=(), last=None):
     return events
 
 
+# ----------------------------------------------------------------------------- HTTP plumbing
+
+LINGER_BYTES, LINGER_SECONDS = 64 << 20, 10.0  # what is read and dropped of a refused body before closing
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:/=+-]{1,128}")
+
+
+# ------------------------------------------------ streams: the worker puts, one thread writes them all
+
 class EventStream:
     """One streamed reply. The worker puts each generation's pieces here as it hands out a chunk; the one
     StreamWriter thread renders and writes them, so that no HTTP thread wakes per chunk. Until the handler
@@ -5127,12 +5135,6 @@ class StreamWriter:
 
 WRITE_RETRY_SECONDS = 0.01
 STREAMS = StreamWriter()
-
-
-# ----------------------------------------------------------------------------- HTTP plumbing
-
-LINGER_BYTES, LINGER_SECONDS = 64 << 20, 10.0  # what is read and dropped of a refused body before closing
-REQUEST_ID = re.compile(r"[A-Za-z0-9._:/=+-]{1,128}")
 
 
 # ------------------------------------------------------------- the socket: TCP, or a unix domain socket
