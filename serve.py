@@ -572,7 +572,8 @@ class ThreadCPU:
     the wall time, the worker waits for the GIL and an HTTP front end in a process of its own would pay; well
     below it, it would not. A live thread's time is read from /proc/self/task (Linux: elsewhere none is
     given); an HTTP thread's is kept as it ends, since each connection has a thread of its own."""
-    ROLES = {"worker": "the model worker", "http": "the threads that read requests and write answers, and the one that writes every stream",
+    ROLES = {"worker": "the model worker",
+             "http": "the threads that read requests and write answers, and the one that writes every stream",
              "python_other": "every other Python thread (the warm-up's, the device timeline, the reaper)",
              "native": "the rest: threads Python did not start (the XLA runtime's), and Python threads that came "
                        "and went between two readings"}
@@ -5017,7 +5018,7 @@ class EventStream:
         self.done = threading.Event()
 
     def put(self, piece):
-        self.writer.queue.put((self, piece))
+        self.writer.put((self, piece))
 
     def serve(self, connection, wfile, timeout):
         """The handler's part, after the headers: the first payloads at once (the client learns its stream
@@ -5027,7 +5028,7 @@ class EventStream:
                 wfile.write("".join(sse(payload) for payload in self.first).encode())
             connection.setblocking(False)  # the writer must never wait on one client
             self.connection, self.timeout = connection, timeout
-            self.writer.queue.put((self, self.OPEN))
+            self.writer.put((self, self.OPEN))
             self.done.wait()
         finally:
             self.over = True
@@ -5086,14 +5087,22 @@ class EventStream:
 
 class StreamWriter:
     """The thread that writes every streamed reply (issue #48). With a thread per client woken for each
-    chunk's event, the HTTP side cost about 90-105 us of CPU an event (wake-ups and GIL hand-offs; 64 and
-    256 clients, BENCHMARKS), as much GIL as the model worker held under load; one thread that takes every
-    event that has come and sends each client's in one write costs 12-16. Sockets are written without
-    blocking: a client that reads slowly keeps its bytes waiting (tried again every WRITE_RETRY_SECONDS),
-    and one that reads nothing for its handler's timeout is dropped alone."""
+    chunk's event, the HTTP side cost about 73 us of CPU an event (wake-ups and GIL hand-offs;
+    scripts/bench_streams.py, 64 and 256 clients), under load almost as much as the model worker's own;
+    one thread that takes every event that has come and sends each client's in one write costs 12-17.
+    Sockets are written without blocking: a client that reads slowly keeps its bytes waiting (tried again
+    every WRITE_RETRY_SECONDS), and one that reads nothing for its handler's timeout is dropped alone."""
 
     def __init__(self):
-        self.queue, self.lock, self.thread = queue.Queue(), threading.Lock(), None
+        # The worker appends a chunk's pieces and wakes the writer once: a queue.Queue's lock and notify per
+        # piece cost the worker about 2 us each (256 rows: half a millisecond a chunk, on its critical path).
+        self.pending, self.wake = collections.deque(), threading.Event()
+        self.lock, self.thread = threading.Lock(), None
+
+    def put(self, item):
+        self.pending.append(item)
+        if not self.wake.is_set():
+            self.wake.set()
 
     def events(self):
         """A new reply's EventStream, for its generations to put their pieces in."""
@@ -5106,15 +5115,11 @@ class StreamWriter:
     def run(self):
         stalled = set()
         while True:
-            try:
-                items = [self.queue.get(timeout=WRITE_RETRY_SECONDS if stalled else None)]
-            except queue.Empty:
-                items = []
-            while True:
-                try:
-                    items.append(self.queue.get_nowait())
-                except queue.Empty:
-                    break
+            self.wake.wait(WRITE_RETRY_SECONDS if stalled else None)
+            self.wake.clear()  # before taking: a piece put from here on wakes the next round
+            items = []
+            while self.pending:
+                items.append(self.pending.popleft())
             touched = dict.fromkeys(stream for stream, _ in items)  # in order of arrival
             for stream, piece in items:
                 self.guarded(stream, stream.take, piece)
