@@ -44,17 +44,22 @@ def sse(p):
     return f"data: {json.dumps(p, ensure_ascii=False)}\n\n"
 
 
+def take_all(q):
+    """The next item and every other that has come meanwhile."""
+    items = [q.get()]
+    while True:
+        try:
+            items.append(q.get_nowait())
+        except queue.Empty:
+            return items
+
+
 def thread_per_client(sockets, chunks, interval):
     queues = [queue.Queue() for _ in sockets]
 
     def client(q, s):
         while True:
-            pieces = [q.get()]
-            while True:
-                try:
-                    pieces.append(q.get_nowait())
-                except queue.Empty:
-                    break
+            pieces = take_all(q)
             if None in pieces:
                 return
             s.sendall("".join(map(sse, pieces)).encode())
@@ -76,12 +81,7 @@ def one_writer(sockets, chunks, interval):
 
     def writer():
         while True:
-            items = [work.get()]
-            while True:
-                try:
-                    items.append(work.get_nowait())
-                except queue.Empty:
-                    break
+            items = take_all(work)
             out = {}
             for item in items:
                 if item is None:
