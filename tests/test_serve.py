@@ -408,36 +408,38 @@ def test_the_process_s_cpu_time_is_told_by_thread_so_the_gil_s_load_shows(server
     if threads.totals() is None:
         pytest.skip("no /proc: thread CPU times are Linux-only")
 
-    def burn(seconds, done=None):
+    def burn(seconds, burnt, done):  # `seconds` of this thread's own CPU, however busy the machine
         end = time.thread_time() + seconds
         while time.thread_time() < end:
             pass
-        if done is not None:
-            done.wait()
+        burnt.set()
+        done.wait()
 
-    def http_thread(seconds, done=None):
+    def http_thread(*args):
         with threads.http_thread():
-            burn(seconds, done)
-    before, done = threads.totals(), threading.Event()
-    live = threading.Thread(target=http_thread, args=(0.3, done))
+            burn(*args)
+    before, burnt, done = threads.totals(), threading.Event(), threading.Event()
+    live = threading.Thread(target=http_thread, args=(0.3, burnt, done))
     live.start()
-    time.sleep(0.5)
+    burnt.wait()
+    time.sleep(0.05)  # a clock tick: /proc counts in ticks
     running = threads.totals()  # the live one's time comes from /proc
     assert 0.25 <= running["http"] - before["http"] <= 0.45, (before, running)
     done.set()
     live.join()
     ended = threads.totals()  # its whole time kept as it ended, never less than /proc said
     assert running["http"] <= ended["http"] + 1e-9 and ended["http"] - before["http"] < 0.45
-    done = threading.Event()
-    other = threading.Thread(target=burn, args=(0.3, done), name="another")
+    burnt, done = threading.Event(), threading.Event()
+    other = threading.Thread(target=burn, args=(0.3, burnt, done), name="another")
     other.start()
-    time.sleep(0.5)
+    burnt.wait()
+    time.sleep(0.05)
     burning = threads.totals()
     assert burning["python_other"] - ended["python_other"] >= 0.25
     done.set()
     other.join()
     after = threads.totals()
-    assert after["http"] == ended["http"]  # an ordinary thread that ended is not an HTTP thread
+    assert after["http"] - ended["http"] < 0.05  # an ordinary thread that ended is not an HTTP thread
     assert after["python_other"] >= burning["python_other"]  # and keeps its time once it has ended
     assert abs(sum(after.values()) - time.process_time()) < 0.1  # the roles share out the process's time
 
@@ -485,7 +487,7 @@ def test_each_generation_s_queue_wait_first_token_and_time_per_token_are_histogr
     assert after["serve_requests_running"] == 0
     # While one streams, it holds a row.
     request = urllib.request.Request(server.url + "/v1/completions", method="POST", headers={
-        "Content-Type": "application/json"}, data=json.dumps({"prompt": "Hi", "max_tokens": 200, "temperature": 0,
+        "Content-Type": "application/json"}, data=json.dumps({"prompt": "Hi", "max_tokens": 300, "temperature": 0,
                                                                "ignore_eos": True, "stream": True}).encode())
     with urllib.request.urlopen(request, timeout=60) as response:
         assert response.readline().startswith(b"data: ")
