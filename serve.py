@@ -19,6 +19,7 @@ request the moment it frees, and stops at its own stop token or max_tokens.
 """
 import argparse
 import array
+import bisect
 import collections
 import collections.abc
 import contextlib
@@ -266,7 +267,7 @@ class Histogram:
 
     def observe(self, seconds):
         self.sum += seconds
-        self.counts[next((i for i, b in enumerate(self.buckets) if seconds <= b), len(self.buckets))] += 1
+        self.counts[bisect.bisect_left(self.buckets, seconds)] += 1
 
     def render(self):
         lines, cumulative = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"], 0
@@ -580,8 +581,7 @@ class ThreadCPU:
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.http = set()  # native ids of the HTTP threads running
-        self.http_ended = 0.0
+        self.http = set()  # native ids of the HTTP threads running: each adds its whole time as it ends
         # Other threads' time as last read, and of those that ended, so that their time stays theirs (up to
         # their last reading): a counter that fell whenever the warm-up's threads ended would say nothing.
         self.seen, self.ended = {}, dict.fromkeys(("worker", "http", "python_other"), 0.0)
@@ -597,7 +597,7 @@ class ThreadCPU:
         finally:
             with self.lock:
                 self.http.discard(tid)
-                self.http_ended += time.thread_time()
+                self.ended["http"] += time.thread_time()
 
     def of_thread(self, tid):
         """A live thread's CPU seconds (0 if it has just ended): utime and stime, in clock ticks."""
@@ -615,7 +615,6 @@ class ThreadCPU:
         seconds = dict.fromkeys(self.ROLES, 0.0)
         with self.lock:  # an HTTP thread that ends meanwhile waits, then counts once, as ended
             process = time.process_time()
-            seconds["http"] = self.http_ended
             live = {}
             for thread in threading.enumerate():
                 tid = thread.native_id

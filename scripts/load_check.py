@@ -126,12 +126,10 @@ def describe(row, alone):
     engine = next((alone[b] for b in sorted(alone) if b >= active), alone.get(max(alone), 0) if alone else 0)
     share = f"{row['tokens_per_second'] / engine:.0%} of {engine:,.0f}" if engine else "-"
     prefills = dispatches.get("prefill", 0) + dispatches.get("prefill_group", 0)
-    threads = labelled(m, "serve_thread_cpu_seconds_total")
-    python = threads.get("worker", 0) + threads.get("http", 0)
-    gil = (f"worker + HTTP {python / row['seconds']:.0%} (worker {threads.get('worker', 0) / row['seconds']:.0%}, "
-           f"HTTP {threads.get('http', 0) / row['seconds']:.0%}), other Python "
-           f"{threads.get('python_other', 0) / row['seconds']:.0%}, native {threads.get('native', 0) / row['seconds']:.0%}"
-           if threads else "-")
+    cpu_share = {role: seconds / row["seconds"] for role, seconds in labelled(m, "serve_thread_cpu_seconds_total").items()}
+    gil = (f"worker + HTTP {cpu_share['worker'] + cpu_share['http']:.0%} (worker {cpu_share['worker']:.0%}, HTTP "
+           f"{cpu_share['http']:.0%}), other Python {cpu_share['python_other']:.0%}, native {cpu_share['native']:.0%}"
+           if cpu_share else "-")
     return (f"| {row['clients']} | {row['requests']} ({row['errors']} failed, {row['retries']} retried 503s) | "
             f"{row['tokens_per_second']:,.0f} | {row['ttft_p50_ms']:,.0f} / {row['ttft_p99_ms']:,.0f} ms | {share} | "
             f"{active} | {worker.get('read', 0) / wall:.0%} read, {host / wall:.0%} host "

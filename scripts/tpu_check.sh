@@ -236,11 +236,8 @@ print(f'bytecode written: {not sys.dont_write_bytecode}', *sorted(lines, key=lam
         --length-buckets 128 --compile-cache "$work/xla" >"$out/real_serve_$label.log" 2>&1 &
       server=$!
       if wait_healthy $server; then
-        if [ -n "${TPU_CHECK_REAL_WRITE:-}" ]; then
-          log=real run_stage "real_$label" python3 scripts/real_check.py "$sock" --label $label --write scripts/real_gemma_cpu.json
-        else
-          log=real run_stage "real_$label" python3 scripts/real_check.py "$sock" --label $label --against scripts/real_gemma_cpu.json
-        fi
+        [ -n "${TPU_CHECK_REAL_WRITE:-}" ] && mode=--write || mode=--against
+        log=real run_stage "real_$label" python3 scripts/real_check.py "$sock" --label $label $mode scripts/real_gemma_cpu.json
         grep -E "ready on" "$out/real_serve_$label.log" | tee -a "$summary"
       else
         row "| real $label | not ready in time: $(tail -2 "$out/real_serve_$label.log" | tr '\n' ' ') |"
