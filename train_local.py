@@ -13,7 +13,6 @@ throughput are reported honestly. Options that change what is trained are flags 
     python3 train_local.py --model DIR --data FILE.jsonl     # offline, any Gemma preset
 """
 import argparse
-import collections
 import contextlib
 import functools
 import json
@@ -27,23 +26,17 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from gemma_lora.adapters import (AdapterError, DEFAULT_LORA_MODULES, LORA_MODULES, keras_lora_scale, lora_kernel_shapes,
+                                 lora_layer, parse_lora_modules, read_keras_adapter)
+from gemma_lora.chat import ChatError, TEMPLATES, ToolRequest, parse_messages, render_chat, tools_prompt
+from gemma_lora.memory import one_collection_after, release_freed_memory
+from gemma_lora.model import explain_load_error, keep_unused_imports_out, layout_map_for, load_causal_lm
+from gemma_lora.tokens import make_text_codec
+
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
 DOLLY_URL = ("https://huggingface.co/datasets/databricks/databricks-dolly-15k/resolve/main/"
              "databricks-dolly-15k.jsonl")
-# Prompt templates (--template; serve.py holds the same table). The Context form is used only with
-# --use-context, and only for records whose context is non-empty. `response_suffix` ends every trained
-# answer; `turn_separator` joins the turns of a conversation when serve.py renders a chat.
-TEMPLATES = {
-    "article": {"prompt": "Instruction:\n{instruction}\n\nResponse:\n",
-                "prompt_with_context": "Instruction:\n{instruction}\n\nContext:\n{context}\n\nResponse:\n",
-                "response_suffix": "", "turn_separator": "\n\n"},
-    # Gemma's instruction-tuned turn format; Gemma has no system role, so context joins the user turn.
-    "gemma-chat": {"prompt": "<start_of_turn>user\n{instruction}<end_of_turn>\n<start_of_turn>model\n",
-                   "prompt_with_context": "<start_of_turn>user\n{instruction}\n\n{context}<end_of_turn>\n"
-                                          "<start_of_turn>model\n",
-                   "response_suffix": "<end_of_turn>", "turn_separator": "\n"},
-}
 RUN_RECORD = "training.json"
 EXPORTS = ("peft", "transformers")
 ADAPTER_FILE = "adapter.lora.h5"
@@ -308,117 +301,6 @@ def dolly_example(record, args):
             (response + TEMPLATES[args.template]["response_suffix"], "answer")]
 
 
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "user"}
-
-
-class ChatError(ValueError):
-    """A conversation that cannot be rendered, said in one line."""
-
-
-def message_text(i, message):
-    """A message's text: its content (a string, or text parts joined by newlines); an assistant's tool calls
-    as the JSON that serve.py's tool calling makes the model write (one call an object, several an array of
-    them; arguments a JSON string as OpenAI sends them, or an object as TRL's datasets hold them); a tool's
-    result under a heading."""
-    role, content = message["role"], message.get("content")
-    if isinstance(content, list):
-        if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-                   for part in content):
-            raise ChatError(f"messages[{i}]: only text content parts ({{\"type\": \"text\", \"text\"}}) are supported")
-        content = "\n".join(part["text"] for part in content)
-    calls = message.get("tool_calls") if role == "assistant" else None
-    if content is None and role == "assistant":
-        content = ""
-    if not isinstance(content, str):
-        raise ChatError(f"messages[{i}]: 'content' must be a string or a list of text parts")
-    if calls:
-        written = []
-        for call in calls if isinstance(calls, list) else [None]:
-            function = call.get("function") if isinstance(call, dict) else None
-            try:
-                arguments = function["arguments"]
-                arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-                if not isinstance(function["name"], str) or not isinstance(arguments, dict):
-                    raise TypeError
-                written.append({"name": function["name"], "arguments": arguments})
-            except (TypeError, KeyError, json.JSONDecodeError):
-                raise ChatError(f"messages[{i}]: 'tool_calls' must be a list of {{\"type\": \"function\", \"function\": "
-                                "{\"name\", \"arguments\": a JSON object or a JSON string of one}}") from None
-        calls = json.dumps(written[0] if len(written) == 1 else written, ensure_ascii=False)
-        content = "\n".join(([content] if content else []) + [calls])
-    return f"Tool result:\n{content}" if role == "tool" else content
-
-
-def parse_messages(messages):
-    """OpenAI / TRL chat messages -> [(role, text, weight)]: developer counts as system and a tool's result
-    as a user turn, and weight (OpenAI's fine-tuning field: 0 = context only) is 0 or 1, 1 if absent."""
-    if not isinstance(messages, list) or not messages:
-        raise ChatError("'messages' must be a non-empty list")
-    parsed = []
-    for i, message in enumerate(messages):
-        role = message.get("role") if isinstance(message, dict) else None
-        if not isinstance(role, str) or role not in CHAT_ROLES:
-            raise ChatError(f"messages[{i}]: 'role' must be one of system, developer, user, assistant, tool")
-        weight = message.get("weight", 1)
-        if isinstance(weight, bool) or weight not in (0, 1):
-            raise ChatError(f"messages[{i}]: 'weight' must be 0 or 1")
-        parsed.append((CHAT_ROLES[role], message_text(i, message), int(weight)))
-    return parsed
-
-
-def render_chat(messages, template, last_role="user"):
-    """A conversation as the template renders it: [(text, weight)], weight None for what the template and
-    the system/user messages put there, and an assistant message's own weight for its text (and its
-    turn's end marker). System text goes before the first user message (neither template has a system
-    role) and consecutive messages of one role join with a blank line. Serving ends on a user message,
-    whose turn is left open for the model; a single user message gives exactly instruction mode's
-    prompt. Training ends on an assistant message."""
-    system = "\n\n".join(text for role, text, _ in messages if role == "system")
-    turns = []  # [role, [(text, weight), ...]]
-    for role, text, weight in messages:
-        if role == "system":
-            continue
-        if turns and turns[-1][0] == role:
-            turns[-1][1].append(("\n\n" + text, weight))
-        else:
-            turns.append([role, [(text, weight)]])
-    if not turns or turns[0][0] != "user" or turns[-1][0] != last_role:
-        raise ChatError(f"'messages' must start (after system messages) with a user message and end with "
-                        f"a{'n' if last_role == 'assistant' else ''} {last_role} message")
-    if system:
-        turns[0][1].insert(0, (system + "\n\n", None))
-    segments = []
-    for role, parts in turns:
-        if role == "user":
-            opener = template["turn_separator"] if segments else ""
-            segments.append((opener + template["prompt"].format(instruction="".join(t for t, _ in parts)), None))
-        else:
-            text, weight = parts[-1]
-            segments += parts[:-1] + [(text + template["response_suffix"], weight)]
-    return segments
-
-
-# Tool use (TRL's tool-calling data sets: a `tools` column beside `messages`): the tools are described in a
-# system message before the conversation, in serve.py's words for a request with tools and its defaults
-# (tool_choice "auto", parallel_tool_calls true), so a tuned model sees at training what it sees when served.
-TOOLS_PROMPT = ("You can call these functions. To call one, answer with nothing but a JSON object: "
-                '{{"name": <the function\'s name>, "arguments": <its arguments as a JSON object>}}{several}.'
-                "{answer}\n{functions}")
-TOOLS_SEVERAL = "; to call several, a JSON array of such objects"
-TOOLS_ANSWER = " To answer without calling any, write your answer as plain text."
-
-ToolRequest = collections.namedtuple("ToolRequest", "functions auto parallel")
-
-
-def tools_prompt(tools, request=None):
-    """The system text that describes the tools (and, for `request`, how to call several or answer instead)."""
-    return TOOLS_PROMPT.format(
-        several=TOOLS_SEVERAL if request is not None and request.parallel else "",
-        answer=TOOLS_ANSWER if request is not None and request.auto else "", functions="\n".join(
-            f"- {t['function']['name']}: {t['function'].get('description') or ''} Arguments (JSON Schema): "
-            f"{json.dumps(t['function'].get('parameters') or {'type': 'object'}, ensure_ascii=False)}" for t in tools))
-
-
 def record_tools(record):
     """The functions of a record's `tools` column (a list, or a JSON string of one, of OpenAI function specs),
     or None."""
@@ -546,30 +428,6 @@ def load_data(args):
 
 # ----------------------------------------------------------------------------- tokens
 
-def make_text_codec(tokenizer):
-    """(encode, decode) without TensorFlow: SentencePiece directly for Gemma-family tokenizers."""
-    sp = sentence_piece(tokenizer)
-    if sp is not None:
-        return sp.encode, sp.decode
-    import numpy as np
-    return (lambda text: np.asarray(tokenizer(text)).tolist()), (lambda ids: str(tokenizer.detokenize(ids)))
-
-
-def sentence_piece(tokenizer):
-    """The SentencePieceProcessor of a keras-hub SentencePiece tokenizer (None for any other): keras-hub's
-    own when it has one. Each costs its vocabulary's size in RSS (Gemma 3's 262,144 pieces: 44 MiB), and the
-    text codec and the grammar's token table both use it."""
-    proto = getattr(tokenizer, "proto", None)
-    if proto is None:
-        return None
-    import sentencepiece
-    own = getattr(tokenizer, "_sentence_piece_spm", None)
-    if isinstance(own, sentencepiece.SentencePieceProcessor):
-        return own
-    if isinstance(proto, (str, os.PathLike)):
-        proto = Path(proto).read_bytes()
-    return sentencepiece.SentencePieceProcessor(model_proto=proto)
-
 
 def tokenize(examples, encode, tokenizer, sequence_length, loss_on):
     """Each example becomes (token_ids, weights) with len(token_ids) <= sequence_length + 1.
@@ -682,23 +540,6 @@ def on_cloud_tpu_vm():
     return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
-def keep_unused_imports_out(model=None):
-    """keras-hub imports TensorFlow whenever it is installed, and this script never runs it: the model loads
-    without its task's preprocessor and text goes through SentencePiece. Kept out, it costs no memory (about
-    800 MiB of RSS, see BENCHMARKS.md) and cannot take the GPU's memory from JAX. keras imports IPython (and
-    with it jedi and prompt_toolkit: 450 modules, 20 MiB) only to tell whether it runs in a notebook, which
-    a script started from the command line never does. kagglehub (with kagglesdk: 280 modules, 14 MiB) only
-    downloads presets, which a `model` in a local directory or on hf:// never needs. A None in sys.modules
-    makes such an import fail, which keras and keras-hub take as "not installed"; a module already
-    imported (a notebook's IPython) stays."""
-    names = ["tensorflow", "IPython"]
-    if model is not None and (str(model).startswith("hf://") or Path(model).expanduser().is_dir()):
-        names.append("kagglehub")
-    for name in names:
-        if name not in sys.modules:
-            sys.modules[name] = None
-
-
 def setup_distribution(args, preset):
     """Sets the global keras distribution before any variable exists. Returns (mode, distribution)."""
     import keras
@@ -739,136 +580,12 @@ def parse_mesh(spec, n_devices):
     return batch_axis, model_axis
 
 
-def layout_map_for(preset, mesh, model_axis):
-    """The family's layout map, K/V replicated when there are fewer KV heads than model shards (keras-hub #1613)."""
-    from keras_hub.models import GemmaBackbone
-    from keras_hub.src.utils.preset_utils import get_preset_loader
-    loader = get_preset_loader(preset)
-    cls = loader.check_backbone_class()
-    layout_map = getattr(cls, "get_layout_map", GemmaBackbone.get_layout_map)(
-        mesh, model_parallel_dim_name="model", data_parallel_dim_name="batch")
-    config = getattr(loader, "config", {}) or {}
-    config = config.get("config", config)
-    kv_heads = config.get("num_key_value_heads") or config.get("num_kv_heads") or 1
-    qkv = "decoder_block.*attention.*(query|key|value).kernel"
-    if qkv in layout_map and kv_heads % model_axis:
-        spec = layout_map[qkv]
-        del layout_map[qkv]
-        layout_map["decoder_block.*attention.*query.kernel"] = spec
-        layout_map["decoder_block.*attention.*(key|value).kernel"] = (None,) + tuple(spec.axes[1:])
-    return layout_map
-
-
 def load_model(args):
     kwargs = {"dtype": args.dtype} if args.dtype else {}
     try:
         return load_causal_lm(args.model, **kwargs)
     except Exception as e:
         raise UserError(explain_load_error(args.model, e)) from None
-
-
-def load_causal_lm(preset, **kwargs):
-    """keras-hub's CausalLM without the task's own preprocessor: it serves keras-hub's generate() and tf.data,
-    and some (Gemma 3's) refuse to exist without TensorFlow. A plain one holds the tokenizer, all this script
-    reads. Its variables start as zeros, not random (see zeros_for_random_initializers)."""
-    import keras_hub
-    with zeros_for_random_initializers(), mapped_safetensors():
-        model = keras_hub.models.CausalLM.from_preset(preset, preprocessor=None, **kwargs)
-    # Keras wraps every list and dict a layer keeps to track variables in them; a tokenizer's vocabulary (256k
-    # pieces, and a dict of them) holds none, and wrapping it cost 0.55 of its 0.78 s on this CPU.
-    from keras.src.utils.tracking import DotNotTrackScope
-    with DotNotTrackScope():
-        tokenizer = keras_hub.tokenizers.Tokenizer.from_preset(preset)
-    model.preprocessor = keras_hub.models.CausalLMPreprocessor(tokenizer=tokenizer)
-    return model
-
-
-class zeros_for_random_initializers:
-    """While a checkpoint loads, a variable Keras would fill from a random initializer starts as zeros: Keras
-    initializes every variable when the model is built, and the weights read next overwrite them all (a
-    test checks it). Random ones cost: Gemma 3 270M on a CPU loads in 3.4-3.7 s instead of 10-12 s, and on
-    an accelerator each shape's random program is compiled on a first start. Zeros, ones and constants
-    stay as they are."""
-
-    def __enter__(self):
-        import keras
-        from keras.src.backend.common import variables
-        from keras.src.initializers.random_initializers import RandomInitializer
-        self.initialize = initialize = variables.Variable._initialize_with_initializer
-
-        def zeros_for_random(variable, initializer):
-            if not isinstance(initializer, RandomInitializer):
-                return initialize(variable, initializer)
-            variable._initialize(keras.ops.zeros(variable._shape, variable._dtype))
-        variables.Variable._initialize_with_initializer = zeros_for_random
-
-    def __exit__(self, *_):
-        from keras.src.backend.common import variables
-        variables.Variable._initialize_with_initializer = self.initialize
-
-
-class mapped_safetensors:
-    """While a checkpoint loads, keras-hub reads each tensor of a .safetensors file as a view of the file mapped
-    into memory, not as a fresh copy: off a CPU the weights go from the page cache to the accelerator with no
-    host copy of their own (a converter's transpose still makes one). That copy was most of a warm load on
-    the TPU host: 5.9 of 7.8 s for gemma_2b's 4.7 GiB, faulting in fresh pages. On a CPU each tensor is
-    still copied once (safetensors copied twice): there JAX may keep an aligned host array as the weight
-    itself, and a file rewritten under a running server (a new training run into the same directory)
-    would then crash it."""
-
-    def __enter__(self):
-        from keras_hub.src.utils.transformers import safetensor_utils
-        self.module, self.original = safetensor_utils, safetensor_utils.safetensors
-        if self.original is not None:
-            import jax
-            copy = jax.default_backend() == "cpu"
-            safetensor_utils.safetensors = type("mapped", (), {
-                "safe_open": staticmethod(lambda path, framework="np", **_: MappedSafetensors(path, copy))})
-        return self
-
-    def __exit__(self, *_):
-        self.module.safetensors = self.original
-
-
-class MappedSafetensors:
-    """One .safetensors file as safetensors' safe_open(framework="np") reads it: keys() and get_tensor(name).
-    The format: a little-endian u64 header length, a JSON header of name -> dtype, shape and byte offsets
-    into the data that follows."""
-    DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
-              "U32": "uint32", "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16",
-              "F32": "float32", "F64": "float64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
-
-    def __init__(self, path, copy):
-        import mmap
-        import ml_dtypes  # noqa: F401  (gives numpy bfloat16 and the float8 types by name)
-        with open(path, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            self.header = json.loads(f.read(size))
-            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        self.header.pop("__metadata__", None)
-        self.start, self.copy = 8 + size, copy
-        if hasattr(self.map, "madvise"):  # read ahead from disk on a first load; nothing to read when cached
-            self.map.madvise(mmap.MADV_WILLNEED)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *_):
-        # The views handed out keep the map open until the last is gone (an accelerator's transfer may still
-        # be reading one); closing it under them would raise.
-        self.map = None
-
-    def keys(self):
-        return list(self.header)
-
-    def get_tensor(self, name):
-        import numpy as np
-        entry = self.header[name]
-        dtype = np.dtype(self.DTYPES[entry["dtype"]])
-        begin, end = entry["data_offsets"]
-        tensor = np.frombuffer(self.map, dtype, (end - begin) // dtype.itemsize, self.start + begin)
-        tensor = tensor.reshape(entry["shape"])
-        return tensor.copy() if self.copy else tensor
 
 
 def save_preset(model, out):
@@ -898,91 +615,6 @@ def quantize_base(model, mode):
 
 
 @contextlib.contextmanager
-def one_collection_after():
-    """Keras collects garbage every time a layer drops a variable (Layer.__delattr__), so that the device frees
-    its buffer at once; quantizing drops every kernel, and each collection walks the whole heap: 127 of them
-    were 37 of quantizing's 40-44 s for Gemma 3 270M on a CPU (the 2B's quantizing took 65 s on a TPU v5e).
-    The kernels go with their last reference anyway (the same peak RSS either way: 3,224 and 3,223 MiB), so
-    meanwhile collections are skipped; the caller collects once after (release_freed_memory)."""
-    import gc
-    collect = gc.collect
-    gc.collect = lambda generation=2: 0
-    try:
-        yield
-    finally:
-        gc.collect = collect
-
-
-def release_freed_memory():
-    """Hands memory freed by quantizing back to the OS: glibc keeps it otherwise, and RSS would not shrink."""
-    import ctypes
-    import gc
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc (macOS): nothing to trim
-        pass
-
-
-LORA_MODULES = {  # PEFT's module names -> where keras-hub's Gemma decoder blocks keep that projection
-    "q_proj": ("attention", "query_dense"), "k_proj": ("attention", "key_dense"),
-    "v_proj": ("attention", "value_dense"), "o_proj": ("attention", "output_dense"),
-    "gate_proj": ("gating_ffw",), "up_proj": ("gating_ffw_2",), "down_proj": ("ffw_linear",),
-}
-
-
-DEFAULT_LORA_MODULES = ("q_proj", "v_proj")  # what keras-hub's enable_lora and PEFT's Gemma default train
-
-
-def parse_lora_modules(spec):
-    """--lora-modules: PEFT's projection names, comma-separated, or all-linear for every one; in
-    LORA_MODULES' order."""
-    names = set(LORA_MODULES) if spec.strip() == "all-linear" else {m.strip() for m in spec.split(",") if m.strip()}
-    unknown = sorted(names - set(LORA_MODULES))
-    if unknown or not names:
-        raise ValueError(f"{','.join(unknown) or 'none given'}: choose from {','.join(LORA_MODULES)}, or all-linear")
-    return [m for m in LORA_MODULES if m in names]
-
-
-def keras_lora_scale(model_dir):
-    """alpha / rank of a train_local.py adapter, from its training.json (the .lora.h5 keeps only the rank);
-    1.0, keras-hub's own scale, for a run that recorded no alpha."""
-    record = Path(model_dir) / "training.json"
-    args = json.loads(record.read_text()).get("args", {}) if record.is_file() else {}
-    return args["lora_alpha"] / args["lora_rank"] if args.get("lora_alpha") else 1.0
-
-
-class AdapterError(Exception):
-    """An adapter that cannot go on this base (or into this server now), said in one line."""
-
-    def __init__(self, message, status=400):
-        super().__init__(message)
-        self.status = status
-
-
-def lora_layer(backbone, index, module):
-    layer = backbone.transformer_layers[index]
-    for attribute in LORA_MODULES[module]:
-        layer = getattr(layer, attribute)
-    return layer
-
-
-def kernel_axes(equation):
-    """(input axes, output axes) of an EinsumDense kernel, as positions in its shape."""
-    inputs, output = equation.split("->")
-    x, kernel = inputs.split(",")
-    ins = [i for i, c in enumerate(kernel) if c in x and c not in output]
-    outs = [i for i, c in enumerate(kernel) if c in output and c not in x]
-    if len(ins) + len(outs) != len(kernel) or not outs or outs[-1] != len(kernel) - 1:
-        raise AdapterError(f"a kernel of equation {equation} cannot take a LoRA adapter")
-    return ins, outs
-
-
-def lora_kernel_shapes(backbone):
-    """{(layer, module): (kernel shape, equation)} of every projection an adapter may target; read
-    before quantizing, which packs some kernels into other shapes."""
-    return {(i, m): (tuple(lora_layer(backbone, i, m).kernel.shape), lora_layer(backbone, i, m).equation)
-            for i in range(len(backbone.transformer_layers)) for m in LORA_MODULES}
 
 
 def enable_lora(backbone, rank, alpha, modules):
@@ -999,42 +631,6 @@ def enable_lora(backbone, rank, alpha, modules):
             layer.trainable = True
             layer.enable_lora(rank, lora_alpha=alpha)
             backbone._lora_enabled_layers.append(index)
-
-
-def keras_factors_to_peft(a, b, shape, equation):
-    """Keras's LoRA factors (A: kernel[:-1] + (r,), B: (r, kernel[-1])) as PEFT's (down, up). B is shared
-    over the output axes before the last (query's heads), so those multiply the rank: exact, not fitted."""
-    import numpy as np
-    ins, outs = kernel_axes(equation)
-    extra, r = outs[:-1], b.shape[0]
-    e = int(np.prod([shape[i] for i in extra]))
-    down = np.transpose(a, ins + extra + [a.ndim - 1]).reshape(int(np.prod([shape[i] for i in ins])), e * r)
-    up = np.einsum("ef,kj->ekfj", np.eye(e, dtype=b.dtype), b).reshape(e * r, e * shape[-1])
-    return down.astype(np.float32), up.astype(np.float32)
-
-
-def read_keras_adapter(h5_path, backbone, shapes):
-    """train_local.py's adapter.lora.h5 (keyed by index among the backbone's layers that have weights) as
-    {(layer, module): (down, up)}."""
-    import h5py
-    import numpy as np
-    layers = [layer for layer in backbone._flatten_layers(include_self=False) if layer.weights]
-    where = {id(lora_layer(backbone, i, m)): (i, m) for i, m in shapes}
-    factors = {}
-    with h5py.File(h5_path, "r") as f:
-        for index, group in f["lora"].items():
-            if index == "vars":
-                continue
-            if not index.isdigit() or int(index) >= len(layers) or id(layers[int(index)]) not in where:
-                raise AdapterError(f"its layer {index} is not a projection of this base: trained for another model")
-            key = where[id(layers[int(index)])]
-            a, b = np.asarray(group["vars"]["lora_kernel_a"]), np.asarray(group["vars"]["lora_kernel_b"])
-            shape, equation = shapes[key]
-            if a.shape[:-1] != shape[:-1] or b.shape != (a.shape[-1], shape[-1]):
-                raise AdapterError(f"layers.{key[0]}.{key[1]} is {a.shape} x {b.shape}, the base's kernel is "
-                                   f"{shape}: trained for another model")
-            factors[key] = keras_factors_to_peft(a, b, shape, equation)
-    return factors
 
 
 def export_peft(model_dir, backbone, base_handle):
@@ -1130,32 +726,6 @@ def merged_on_original_base(args, adapter_path):
     enable_lora(model.backbone, args.lora_rank, args.lora_alpha, args.lora_modules)
     model.backbone.load_lora_weights(str(adapter_path))
     return model
-
-
-def explain_load_error(preset, error):
-    text = f"{type(error).__name__}: {error}"
-    low = text.lower()
-    if preset.startswith("hf://") and any(s in low for s in ("401", "403", "gated", "unauthorized", "access")):
-        return (f"could not load {preset}: Hugging Face refused access ({text.splitlines()[0][:200]}).\n"
-                "Gemma is gated: accept the license on its model page while logged in, create a read token "
-                "at https://huggingface.co/settings/tokens, then `export HF_TOKEN=hf_...`.")
-    if preset.startswith("kaggle://") or "kaggle" in low:
-        if any(s in low for s in ("401", "403", "credential", "unauthorized", "consent", "license")):
-            return (f"could not load {preset}: Kaggle refused access ({text.splitlines()[0][:200]}).\n"
-                    "Accept the Gemma license on kaggle.com/models/google/gemma, then set KAGGLE_USERNAME and "
-                    "KAGGLE_KEY (or put kaggle.json in ~/.kaggle).")
-    if any(s in low for s in ("connection", "resolve", "network", "timed out", "offline", "max retries",
-                              "name or service not known", "localentrynotfound")):
-        return (f"could not load {preset}: the network is unreachable ({text.splitlines()[0][:200]}).\n"
-                "Offline, pass a local model dir: --model path/to/model (a Keras preset or a transformers-"
-                "layout dir with config.json, model.safetensors and tokenizer.model).")
-    if preset.startswith("hf://") and "no config.json" in low:  # keras-hub's word for "the download failed"
-        return (f"could not load {preset}: Hugging Face gave no config.json (no network, a typo, or a gated "
-                "model without HF_TOKEN).\nOffline, pass a local model dir: --model path/to/model.")
-    if not preset.startswith(("hf://", "kaggle://")) and ("/" in preset or preset.startswith(".")) \
-            and not Path(preset).exists():
-        return f"--model {preset}: no such directory"
-    return f"could not load {preset}: {text.splitlines()[0][:500]}"
 
 
 def explain_oom(args):

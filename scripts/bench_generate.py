@@ -56,9 +56,19 @@ def parse_args():
 
 
 def import_serve(path):
+    """The engine's parts from a serve.py: the module itself when it is one file (before the gemma_lora
+    package), else the package beside it."""
+    sys.path.insert(0, str(Path(path).resolve().parent))
     spec = importlib.util.spec_from_file_location("serve_under_test", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    if not hasattr(module, "Generation"):
+        from gemma_lora.engine.core import batch_buckets
+        from gemma_lora.engine.engine import Engine
+        from gemma_lora.interface import SAMPLER_DEFAULTS, Generation
+        from gemma_lora.model import load_model
+        module.Engine, module.Generation, module.SAMPLER_DEFAULTS = Engine, Generation, SAMPLER_DEFAULTS
+        module.load_model, module.batch_buckets = load_model, batch_buckets
     return module
 
 

@@ -90,10 +90,13 @@ def serve_worker(model_dir, setting):
     sys.path.insert(0, str(REPO))
     import numpy as np
     import serve
-    serve.keep_unused_imports_out()
-    model, _, _ = serve.load_model(serve.parse_args(["--model", model_dir, *flags_for(setting)]))
+    from gemma_lora.engine.engine import Engine
+    from gemma_lora.interface import SAMPLER_DEFAULTS, Generation
+    from gemma_lora.model import keep_unused_imports_out, load_model
+    keep_unused_imports_out()
+    model, _, _ = load_model(serve.parse_args(["--model", model_dir, *flags_for(setting)]))
     weights = sum(w.value.nbytes for w in model.weights)
-    engine = serve.Engine(model, [1, 8], [128], None)
+    engine = Engine(model, [1, 8], [128], None)
     engine.warm_up()
     bandwidth = read_bandwidth()
     row = {"setting": setting, "weights_mib": weights / 2**20, **{k: v for k, v in memory_mib().items()},
@@ -101,8 +104,8 @@ def serve_worker(model_dir, setting):
     rng = np.random.default_rng(0)
     for batch in (1, 8):
         def run(new_tokens):  # (seconds, tokens made) for `batch` requests of a 32-token prompt
-            gens = [serve.Generation([engine.bos] + rng.integers(1000, 20000, 31).tolist(), new_tokens,
-                                     serve.SAMPLER_DEFAULTS["greedy"], 0, [], None) for _ in range(batch)]
+            gens = [Generation([engine.bos] + rng.integers(1000, 20000, 31).tolist(), new_tokens,
+                               SAMPLER_DEFAULTS["greedy"], 0, [], None) for _ in range(batch)]
             started = time.perf_counter()
             # One request in the smallest batch the engine keeps (quantized on the CPU: two rows, one idle).
             engine.generate(gens, engine.batch_for(batch))

@@ -23,6 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
+from gemma_lora.interface import SAMPLER_DEFAULTS, Generation  # noqa: E402
 
 
 def parse_args():
@@ -45,8 +46,8 @@ PENALISED = {"frequency_penalty": 0.5, "presence_penalty": 0.5, "repetition_pena
 def throughput(serve, engine, requests, batch, runs, every):
     """Median seconds to decode `requests` with every `every`-th row penalised (0: none)."""
     def rows():
-        return [serve.Generation(list(ids), new, dict(serve.SAMPLER_DEFAULTS["greedy"],
-                                                      **(PENALISED if every and i % every == 0 else {})), 0, [], None)
+        return [Generation(list(ids), new, dict(SAMPLER_DEFAULTS["greedy"],
+                                                **(PENALISED if every and i % every == 0 else {})), 0, [], None)
                 for i, (ids, new) in enumerate(requests)]
     engine.generate(rows(), batch)  # untimed: the first run of a setting also sends its arrays' first copies
     times = []
@@ -70,8 +71,8 @@ def loops(serve, engine, answers, max_tokens, frequency):
         examples = [json.loads(line) for line in f][:answers]
     for example in examples:
         prompt = f"<start_of_turn>user\n{example['instruction']}<end_of_turn>\n<start_of_turn>model\n"
-        sampling = dict(serve.SAMPLER_DEFAULTS["greedy"], **({"frequency_penalty": frequency} if frequency else {}))
-        rows.append(serve.Generation([engine.bos] + engine.encode(prompt), max_tokens, sampling, 0, [], None))
+        sampling = dict(SAMPLER_DEFAULTS["greedy"], **({"frequency_penalty": frequency} if frequency else {}))
+        rows.append(Generation([engine.bos] + engine.encode(prompt), max_tokens, sampling, 0, [], None))
     started = time.perf_counter()
     engine.generate(rows, len(rows))
     seconds = time.perf_counter() - started
@@ -84,18 +85,22 @@ def main():
     args = parse_args()
     os.environ.setdefault("KERAS_BACKEND", "jax")
     import serve
+    from gemma_lora.engine.compilation import on_compilation
+    from gemma_lora.engine.core import batch_buckets
+    from gemma_lora.engine.engine import Engine
+    from gemma_lora.model import keep_unused_imports_out, load_model
     from bench_generate import workload
     flags = serve.parse_args(["--model", args.model, "--max-batch-size", str(args.batch), "--length-buckets", "256",
                               *args.flags.split()])
-    serve.keep_unused_imports_out()
-    model, dtype, _ = serve.load_model(flags)
-    engine = serve.Engine(model, serve.batch_buckets(args.batch, 1), flags.length_buckets, None)
+    keep_unused_imports_out()
+    model, dtype, _ = load_model(flags)
+    engine = Engine(model, batch_buckets(args.batch, 1), flags.length_buckets, None)
     started = time.time()
     engine.warm_up()
     print(f"{type(model).__name__} from {args.model}, {dtype}, batch {args.batch}; warm-up {time.time() - started:.0f}s",
           flush=True)
     compilations = []
-    serve.on_compilation(lambda: compilations.append(1))
+    on_compilation(lambda: compilations.append(1))
 
     stops, engine.stop_ids = engine.stop_ids, set()  # every request makes exactly its max_tokens
     requests = workload(engine.encode, engine.bos, args.requests)

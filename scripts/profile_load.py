@@ -28,12 +28,13 @@ def main():
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--compile-cache", default="", help="XLA's compilation cache, as serve.py's (default: none)")
     a = p.parse_args()
-    import serve
-    serve.keep_unused_imports_out()
+    import serve  # noqa: F401  (its imports are what is timed)
+    from gemma_lora.model import keep_unused_imports_out, load_model, start_backend
+    keep_unused_imports_out()
     import jax
     print(f"imports of serve.py and jax: {time.time() - started:.1f}s")
     t = time.time()
-    serve.start_backend()  # as serve.py starts: the backend on a thread while keras-hub imports
+    start_backend()  # as serve.py starts: the backend on a thread while keras-hub imports
     import keras_hub  # noqa: F401
     print(f"import keras_hub while the backend starts: {time.time() - t:.1f}s")
     if a.compile_cache:
@@ -69,7 +70,7 @@ def main():
     profile = cProfile.Profile()
     t = time.time()
     profile.enable()
-    model, dtype, _ = serve.load_model(args, alone=True)
+    model, dtype, _ = load_model(args, alone=True)
     profile.disable()
     total = time.time() - t
     print(f"load_model: {total:.1f}s, {dtype}, weights "

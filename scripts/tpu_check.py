@@ -5,7 +5,7 @@ random weights, bfloat16, rank-16 LoRA, on one GPU or TPU chip.
                                  [--unroll on,off] [--long on,off] [--groups] [--profile DIR]
 
 Measures the product's own code paths: train_local.Trainer's compiled train step at batch 4 x 512
-(ms/step after compile, MFU against the chip's bf16 peak), serve.Engine's batched decode (generated
+(ms/step after compile, MFU against the chip's bf16 peak), the Engine's batched decode (generated
 tokens/s and warm-up seconds at each of --batches, with keras-hub's generate() as a reference when
 --reference is given), and peak device memory. Random weights
 and pre-tokenized arrays: nothing is downloaded and TensorFlow is not needed. `--config tiny` runs the
@@ -32,9 +32,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 from bench_memory import read_bandwidth  # noqa: E402  the limit bench_memory.py divides by
-import serve  # noqa: E402
-UNROLL_FROM_BYTES, UNROLL_FROM_BATCH_OFF_CPU = serve.UNROLL_FROM_BYTES, serve.UNROLL_FROM_BATCH_OFF_CPU
-WRITE_BY_SELECT_ON, POSITIONS_WRITTEN_BY_SELECT = serve.WRITE_BY_SELECT_ON, serve.positions_written_by_select
+from gemma_lora.engine import engine as engine_module, programs  # noqa: E402
+from gemma_lora.engine.engine import GROUP_BLOCK, Engine  # noqa: E402
+from gemma_lora.interface import SAMPLER_DEFAULTS, Generation  # noqa: E402
+UNROLL_FROM_BYTES, UNROLL_FROM_BATCH_OFF_CPU = engine_module.UNROLL_FROM_BYTES, engine_module.UNROLL_FROM_BATCH_OFF_CPU
+WRITE_BY_SELECT_ON, POSITIONS_WRITTEN_BY_SELECT = programs.WRITE_BY_SELECT_ON, programs.positions_written_by_select
 
 CONFIGS = {  # gemma_2b as keras-hub defines it (GemmaBackbone presets)
     "gemma_2b": dict(vocabulary_size=256000, num_layers=18, num_query_heads=8, num_key_value_heads=1,
@@ -141,10 +143,9 @@ def train_step_temporaries(model, args):
 
 def bench_engine(model, batch_sizes, length):
     """serve.py's Engine over random weights: never stops early, detokenizes nothing."""
-    import serve
     tokenizer = types.SimpleNamespace(proto=None, start_token_id=2, end_token_id=1, pad_token_id=0,
                                       get_vocabulary=lambda: [], token_to_id=lambda _: None, detokenize=str)
-    engine = serve.Engine(model, batch_sizes, [length], None, tokenizer=tokenizer)
+    engine = Engine(model, batch_sizes, [length], None, tokenizer=tokenizer)
     engine.stop_ids = set()  # random weights: never stop early, always generate max_tokens
     engine.decode = lambda ids: ""  # measure the model, not detokenisation
     return engine
@@ -155,7 +156,7 @@ def positions_written_by_row_scatter(on):
     """`--writes rows`, an experiment beside serve.py's select (issue #48): keras-hub's one-position cache writes
     as a dynamic update slice whose vmap over rows is one scatter of whole rows into the batch's cache flattened
     to (rows x positions, ...): no batching dimensions, which XLA's TPU backend expanded into a loop over rows
-    (serve.positions_written_by_select). Whether that backend scatters these natively is what it measures."""
+    (programs.positions_written_by_select). Whether that backend scatters these natively is what it measures."""
     import jax
     import jax.numpy as jnp
     import keras
@@ -177,7 +178,7 @@ def positions_written_by_row_scatter(on):
         return flat.reshape(cache.shape), True
 
     def slice_update(inputs, start_indices, updates):  # a row's (1, length, ...) cache, at its position on axis 1
-        if inputs.shape[0] != 1 or serve.one_position_axis(inputs, start_indices, updates) != 1:
+        if inputs.shape[0] != 1 or programs.one_position_axis(inputs, start_indices, updates) != 1:
             return own(inputs, start_indices, updates)
         return write(inputs, updates, jnp.asarray(start_indices[1], jnp.int32))
     if not on:
@@ -192,14 +193,13 @@ def positions_written_by_row_scatter(on):
 
 def time_generation(model, args, batch_size, unroll="auto", long="auto", writes="auto"):
     import numpy as np
-    import serve
     # `rows` takes serve.py's place for the keys and values (its tokens are written by select).
-    serve.WRITE_BY_SELECT_ON = {"scatter": ()}.get(writes, ("cpu", "gpu", "tpu") if writes != "auto"
-                                                   else WRITE_BY_SELECT_ON)
-    serve.positions_written_by_select = positions_written_by_row_scatter if writes == "rows" \
+    programs.WRITE_BY_SELECT_ON = {"scatter": ()}.get(writes, ("cpu", "gpu", "tpu") if writes != "auto"
+                                                      else WRITE_BY_SELECT_ON)
+    programs.positions_written_by_select = positions_written_by_row_scatter if writes == "rows" \
         else POSITIONS_WRITTEN_BY_SELECT
-    serve.UNROLL_FROM_BYTES = {"on": 0, "off": float("inf")}.get(unroll, UNROLL_FROM_BYTES)
-    serve.UNROLL_FROM_BATCH_OFF_CPU = 1 if unroll == "on" else UNROLL_FROM_BATCH_OFF_CPU
+    engine_module.UNROLL_FROM_BYTES = {"on": 0, "off": float("inf")}.get(unroll, UNROLL_FROM_BYTES)
+    engine_module.UNROLL_FROM_BATCH_OFF_CPU = 1 if unroll == "on" else UNROLL_FROM_BATCH_OFF_CPU
     prompt_length = 32
     engine = bench_engine(model, [batch_size], prompt_length + args.new_tokens)
     if args.decode_only:
@@ -214,8 +214,8 @@ def time_generation(model, args, batch_size, unroll="auto", long="auto", writes=
     rng = np.random.default_rng(1)
 
     def rows():
-        return [serve.Generation([2] + rng.integers(3, 1000, prompt_length - 1).tolist(), args.new_tokens,
-                                 serve.SAMPLER_DEFAULTS["greedy"], 0, [], None) for _ in range(batch_size)]
+        return [Generation([2] + rng.integers(3, 1000, prompt_length - 1).tolist(), args.new_tokens,
+                           SAMPLER_DEFAULTS["greedy"], 0, [], None) for _ in range(batch_size)]
     engine.generate(rows(), batch_size)
     started = time.time()
     done = rows()
@@ -274,8 +274,7 @@ def time_grouped_prefills(model, batch_size, best_of=3):
     """{block: (ms grouped, ms one by one)}: a burst of batch_size prompts of each groupable block length,
     admitted at once, to their first token (max_tokens 1), best of `best_of` after a run that warms up."""
     import numpy as np
-    import serve
-    engine = bench_engine(model, [batch_size], max(serve.GROUP_BLOCK, 64) + 8)
+    engine = bench_engine(model, [batch_size], max(GROUP_BLOCK, 64) + 8)
     engine.warm_up()
     rng = np.random.default_rng(3)
     times = {}
@@ -285,8 +284,8 @@ def time_grouped_prefills(model, batch_size, best_of=3):
             engine.grouping = grouping
             best = float("inf")
             for _ in range(best_of + 1):
-                rows = [serve.Generation([2] + rng.integers(3, 1000, block - 1).tolist(), 1,
-                                         serve.SAMPLER_DEFAULTS["greedy"], 0, [], None) for _ in range(batch_size)]
+                rows = [Generation([2] + rng.integers(3, 1000, block - 1).tolist(), 1,
+                                   SAMPLER_DEFAULTS["greedy"], 0, [], None) for _ in range(batch_size)]
                 started = time.time()
                 engine.generate(rows, batch_size)
                 best = min(best, time.time() - started)

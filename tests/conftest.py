@@ -170,14 +170,14 @@ PLAIN_PREFILLS = {}
 
 
 def plain_prefill(engine, prompt, block, slot=0):
-    """keras-hub's own prefill of one prompt in a row of its block's positions (serve.prefill, jitted once per
-    engine): what the engine's rows, made in a window's row or after a cached prefix, must hold."""
+    """keras-hub's own prefill of one prompt in a row of its block's positions (programs.prefill, jitted once
+    per engine): what the engine's rows, made in a window's row or after a cached prefix, must hold."""
     import functools
     import jax
     import numpy as np
-    import serve
+    from gemma_lora.engine.programs import prefill
     if id(engine) not in PLAIN_PREFILLS:
-        PLAIN_PREFILLS[id(engine)] = jax.jit(functools.partial(serve.prefill, engine.model, engine.variables,
+        PLAIN_PREFILLS[id(engine)] = jax.jit(functools.partial(prefill, engine.model, engine.variables,
                                                                engine.adapters))
     return PLAIN_PREFILLS[id(engine)](engine.values, engine.tokens([prompt], block), engine.lora_tables,
                                       np.int32(slot))

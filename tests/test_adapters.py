@@ -10,6 +10,10 @@ import numpy as np
 import pytest
 
 from conftest import REPO, SAMPLE_DATA, YES_QUESTIONS, http, plain_prefill, script_env
+from gemma_lora.adapters import AdapterError, read_adapter
+from gemma_lora.engine.adapter_slots import AdapterSlots
+from gemma_lora.engine.engine import Engine
+from gemma_lora.model import load_model
 
 CHAT = "<start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n"
 ARTICLE = "Instruction:\n{}\n\nResponse:\n"
@@ -179,7 +183,7 @@ def test_an_adapter_that_cannot_be_served_is_one_line_and_exit_2(tiny_model, no_
 @pytest.fixture(scope="module")
 def tiny(tiny_model):
     import serve
-    model, _, shapes = serve.load_model(serve.parse_args(["--model", str(tiny_model)]))
+    model, _, shapes = load_model(serve.parse_args(["--model", str(tiny_model)]))
     return serve, model, shapes
 
 
@@ -188,15 +192,15 @@ def test_an_unloaded_adapter_keeps_its_slot_until_its_last_generation_ends(tiny,
     import jax
     serve, model, shapes = tiny
     vocabulary = model.preprocessor.tokenizer.get_vocabulary()
-    slots = serve.AdapterSlots(model.backbone, shapes, ["q_proj", "v_proj"], 1, 64, put=jax.device_put)
-    no = serve.read_adapter("no", no_model, model.backbone, shapes, vocabulary)
+    slots = AdapterSlots(model.backbone, shapes, ["q_proj", "v_proj"], 1, 64, put=jax.device_put)
+    no = read_adapter("no", no_model, model.backbone, shapes, vocabulary)
     slots.load(no)
     held = slots.acquire("no")
     assert held is no and no.slot == 1
     slots.unload("no")
     assert slots.acquire("no") is None  # new requests no longer find it
-    yes = serve.read_adapter("yes", yes_model, model.backbone, shapes, vocabulary)
-    with pytest.raises(serve.AdapterError) as full:
+    yes = read_adapter("yes", yes_model, model.backbone, shapes, vocabulary)
+    with pytest.raises(AdapterError) as full:
         slots.load(yes)  # the one slot still serves no's running generation
     assert full.value.status == 409
     down = np.asarray(slots.tables["0.q_proj"][0][1])
@@ -211,10 +215,10 @@ def test_prompts_prefilled_as_a_group_each_get_their_own_adapter(tiny, no_model,
     import jax
     serve, model, shapes = tiny
     vocabulary = model.preprocessor.tokenizer.get_vocabulary()
-    slots = serve.AdapterSlots(model.backbone, shapes, ["q_proj", "v_proj"], 2, 64, put=jax.device_put)
+    slots = AdapterSlots(model.backbone, shapes, ["q_proj", "v_proj"], 2, 64, put=jax.device_put)
     for name, path in (("no", no_model), ("yes", yes_model)):
-        slots.load(serve.read_adapter(name, path, model.backbone, shapes, vocabulary))
-    engine = serve.Engine(model, [4], [64], None, adapters=slots)
+        slots.load(read_adapter(name, path, model.backbone, shapes, vocabulary))
+    engine = Engine(model, [4], [64], None, adapters=slots)
     assert engine.group_sizes == [2, 4]
     prompt = [engine.bos] + engine.encode(CHAT.format(QUESTIONS[0]))
     row_slots = [0, slots.by_name["no"].slot, slots.by_name["yes"].slot, slots.by_name["no"].slot]
@@ -239,7 +243,7 @@ def test_peft_adapters_are_checked_against_the_base(tiny, no_model, tmp_path):
     good = no_model / "peft"
     config = json.loads((good / "adapter_config.json").read_text())
     tensors = load_file(str(good / "adapter_model.safetensors"))
-    adapter = serve.read_adapter("no", good, model.backbone, shapes, vocabulary)
+    adapter = read_adapter("no", good, model.backbone, shapes, vocabulary)
     assert adapter.kind == "peft" and adapter.modules == ["q_proj", "v_proj"] and adapter.rank == config["r"]
 
     def variant(name, change_config=None, change_tensors=None):
@@ -247,8 +251,8 @@ def test_peft_adapters_are_checked_against_the_base(tiny, no_model, tmp_path):
         path.mkdir()
         (path / "adapter_config.json").write_text(json.dumps(config | (change_config or {})))
         save_file(change_tensors(dict(tensors)) if change_tensors else tensors, str(path / "adapter_model.safetensors"))
-        with pytest.raises(serve.AdapterError) as error:
-            serve.read_adapter(name, path, model.backbone, shapes, vocabulary)
+        with pytest.raises(AdapterError) as error:
+            read_adapter(name, path, model.backbone, shapes, vocabulary)
         return str(error.value)
 
     key = next(k for k in tensors if "q_proj.lora_A" in k)
@@ -262,8 +266,8 @@ def test_peft_adapters_are_checked_against_the_base(tiny, no_model, tmp_path):
     broken.mkdir()
     (broken / "adapter_config.json").write_text(json.dumps(config))
     (broken / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
-    with pytest.raises(serve.AdapterError, match="cannot read it"):
-        serve.read_adapter("broken", broken, model.backbone, shapes, vocabulary)
+    with pytest.raises(AdapterError, match="cannot read it"):
+        read_adapter("broken", broken, model.backbone, shapes, vocabulary)
     # lora_alpha and use_rslora set the scale, folded into `up`.
     scaled = tmp_path / "scaled"
     shutil.copytree(good, scaled)
@@ -272,9 +276,9 @@ def test_peft_adapters_are_checked_against_the_base(tiny, no_model, tmp_path):
     shutil.copytree(good, rs)
     (rs / "adapter_config.json").write_text(json.dumps(config | {"use_rslora": True}))
     one = adapter.factors[0, "q_proj"][1]
-    assert np.allclose(serve.read_adapter("s", scaled, model.backbone, shapes, vocabulary).factors[0, "q_proj"][1],
+    assert np.allclose(read_adapter("s", scaled, model.backbone, shapes, vocabulary).factors[0, "q_proj"][1],
                        2 * one)
-    assert np.allclose(serve.read_adapter("r", rs, model.backbone, shapes, vocabulary).factors[0, "q_proj"][1],
+    assert np.allclose(read_adapter("r", rs, model.backbone, shapes, vocabulary).factors[0, "q_proj"][1],
                        np.sqrt(config["r"]) * one)
 
 

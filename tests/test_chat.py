@@ -8,11 +8,16 @@ import urllib.request
 
 import pytest
 
-import serve
 from conftest import http
+from gemma_lora.chat import TEMPLATES, read_prompt_template
+from gemma_lora.frontend.api import ROUTES
+from gemma_lora.frontend.openapi import OPENAPI
+from gemma_lora.frontend.protocol import chat_prompt, format_instruction, template_stop
+from gemma_lora.frontend.server import RequestError
+from gemma_lora.tokens import SentencePieces, pieces_of
 
-ARTICLE = dict(serve.TEMPLATES["article"], name="article")
-GEMMA = dict(serve.TEMPLATES["gemma-chat"], name="gemma-chat")
+ARTICLE = dict(TEMPLATES["article"], name="article")
+GEMMA = dict(TEMPLATES["gemma-chat"], name="gemma-chat")
 CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a fruit."},
                 {"role": "assistant", "content": "Apple."},
                 {"role": "user", "content": [{"type": "text", "text": "Another"}, {"type": "text", "text": "one?"}]}]
@@ -28,7 +33,7 @@ def post(server, path, body):
 
 
 def render(messages, template):
-    return serve.chat_prompt(messages, template)
+    return chat_prompt(messages, template)
 
 
 # ----------------------------------------------------------------------------- rendering (no server)
@@ -47,19 +52,19 @@ def test_multi_turn_chat_renders_in_gemma_turns():
 @pytest.mark.parametrize("template", [ARTICLE, GEMMA])
 def test_one_user_message_is_exactly_instruction_mode(template):
     assert render([{"role": "user", "content": "Why?"}], template) == \
-        serve.format_instruction({"instruction": "Why?"}, template)
+        format_instruction({"instruction": "Why?"}, template)
 
 
 def test_a_conversation_must_end_with_the_user():
-    with pytest.raises(serve.RequestError, match="end with a user message"):
+    with pytest.raises(RequestError, match="end with a user message"):
         render([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], ARTICLE)
 
 
 def test_template_without_a_record_follows_the_tokenizer(tmp_path):
-    assert serve.read_prompt_template(tmp_path, ["<pad>", "<start_of_turn>"])["name"] == "gemma-chat"
-    assert serve.read_prompt_template(tmp_path, ["<pad>", "a"])["name"] == "article"
+    assert read_prompt_template(tmp_path, ["<pad>", "<start_of_turn>"])["name"] == "gemma-chat"
+    assert read_prompt_template(tmp_path, ["<pad>", "a"])["name"] == "article"
     (tmp_path / "training.json").write_text(json.dumps({"prompt_template": dict(GEMMA, prompt_with_context=None)}))
-    assert serve.read_prompt_template(tmp_path, [])["prompt_with_context"] == GEMMA["prompt_with_context"]
+    assert read_prompt_template(tmp_path, [])["prompt_with_context"] == GEMMA["prompt_with_context"]
 
 
 def test_the_vocabulary_is_read_from_sentencepiece_and_answers_as_keras_hubs_own(tiny_model):
@@ -68,8 +73,8 @@ def test_the_vocabulary_is_read_from_sentencepiece_and_answers_as_keras_hubs_own
     import keras_hub
     tokenizer = keras_hub.models.GemmaTokenizer(proto=str(tiny_model / "tokenizer.model"))
     own, ids = tokenizer.get_vocabulary(), dict(tokenizer._token_to_id_map)
-    pieces = serve.pieces_of(tokenizer)
-    assert isinstance(tokenizer._vocabulary, serve.SentencePieces) and serve.pieces_of(tokenizer) is pieces
+    pieces = pieces_of(tokenizer)
+    assert isinstance(tokenizer._vocabulary, SentencePieces) and pieces_of(tokenizer) is pieces
     assert len(pieces) == len(own) > 256 and list(pieces) == own == tokenizer.get_vocabulary()
     assert pieces[-1] == own[-1] and pieces[3:9] == own[3:9]
     with pytest.raises(IndexError):
@@ -78,20 +83,20 @@ def test_the_vocabulary_is_read_from_sentencepiece_and_answers_as_keras_hubs_own
         assert (piece in pieces) == (piece in ids)
         assert tokenizer.token_to_id(piece) == ids.get(piece, tokenizer.token_to_id("<unk>"))
     assert all(tokenizer.id_to_token(i) == own[i] for i in range(len(own)))
-    assert tokenizer.end_token_id == ids["<eos>"] and serve.read_prompt_template(tiny_model / "none", pieces)
+    assert tokenizer.end_token_id == ids["<eos>"] and read_prompt_template(tiny_model / "none", pieces)
 
 
 def test_end_marker_becomes_a_stop_string_only_when_it_is_not_one_token():
     def fake(tokens_per_marker):
         return types.SimpleNamespace(encode=lambda text: [7] * tokens_per_marker)
-    assert serve.template_stop(fake(1), GEMMA) == ()  # the engine's stop ids catch it
-    assert serve.template_stop(fake(5), GEMMA) == ("<end_of_turn>",)
-    assert serve.template_stop(fake(5), ARTICLE) == ()
+    assert template_stop(fake(1), GEMMA) == ()  # the engine's stop ids catch it
+    assert template_stop(fake(5), GEMMA) == ("<end_of_turn>",)
+    assert template_stop(fake(5), ARTICLE) == ()
 
 
 def test_openapi_document_describes_every_route():
-    documented = {(path, method.upper()) for path, methods in serve.OPENAPI["paths"].items() for method in methods}
-    served = {(path, method) for path, methods in serve.ROUTES.items() for method in methods}
+    documented = {(path, method.upper()) for path, methods in OPENAPI["paths"].items() for method in methods}
+    served = {(path, method) for path, methods in ROUTES.items() for method in methods}
     assert documented == served
 
 
@@ -210,7 +215,7 @@ def test_schemathesis_finds_no_server_error_and_no_response_outside_the_document
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
     # Every operation was tested; schemathesis 4.32 counts one fewer than the document lists (it did
     # so from the start, at 9 of 10).
-    operations = sum(len(methods) for methods in serve.OPENAPI["paths"].values()) - 1
+    operations = sum(len(methods) for methods in OPENAPI["paths"].values()) - 1
     assert f"Selected: {operations}/{operations}" in result.stdout and f"Tested: {operations}" in result.stdout
 
 

@@ -11,6 +11,7 @@ import pytest
 
 import train_local
 from conftest import SAMPLE_DATA, burst_until_grouped, http, script_env
+from gemma_lora.model import layout_map_for
 
 FOUR_DEVICES = script_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")
 
@@ -58,7 +59,7 @@ def test_kv_heads_stay_replicated_when_fewer_than_model_shards(tiny_model):
     import keras
     mesh = keras.distribution.DeviceMesh(shape=(2, 2), axis_names=("batch", "model"),
                                          devices=np.array([f"cpu:{i}" for i in range(4)]))
-    layout = train_local.layout_map_for(str(tiny_model), mesh, 2)
+    layout = layout_map_for(str(tiny_model), mesh, 2)
     assert layout["decoder_block_0/attention/key/kernel"].axes[0] is None  # tiny model: one KV head
     assert layout["decoder_block_0/attention/value/kernel"].axes[0] is None
     assert layout["decoder_block_0/attention/query/kernel"].axes[0] == "model"
@@ -116,22 +117,28 @@ AHEAD_ON_A_MESH = """
 import json, sys
 import numpy as np
 import serve
+from gemma_lora.engine.compilation import on_compilation
+from gemma_lora.engine.core import batch_buckets, setup_distribution
+from gemma_lora.engine.engine import Engine
+from gemma_lora.interface import Generation
+from gemma_lora.metrics import METRICS
+from gemma_lora.model import load_model
 args = serve.parse_args(["--model", sys.argv[1], "--distribution", "model", "--mesh", "2,2"])
-distribution, batch_axis = serve.setup_distribution(args)
-model, _, _ = serve.load_model(args)
-engine = serve.Engine(model, serve.batch_buckets(4, batch_axis), [64], distribution, dispatch_ahead=True)
+distribution, batch_axis = setup_distribution(args)
+model, _, _ = load_model(args)
+engine = Engine(model, batch_buckets(4, batch_axis), [64], distribution, dispatch_ahead=True)
 engine.warm_up()
 compiled = []
-serve.on_compilation(lambda: compiled.append(1))
+on_compilation(lambda: compiled.append(1))
 
 def run(ahead, groups=engine.group_sizes):
     engine.dispatch_ahead, engine.group_sizes = ahead, groups
-    rows = [serve.Generation([engine.bos] + list(range(300 + 40 * i, 304 + 43 * i)), 5 + 2 * i,
-                             {"temperature": 1.0, "top_k": 40, "top_p": 1.0}, i, [], None) for i in range(8)]
+    rows = [Generation([engine.bos] + list(range(300 + 40 * i, 304 + 43 * i)), 5 + 2 * i,
+                       {"temperature": 1.0, "top_k": 40, "top_p": 1.0}, i, [], None) for i in range(8)]
     engine.generate(rows, 4)
     return [g.ids for g in rows]
 ahead = run(True)
-grouped = serve.METRICS.grouped_prompts
+grouped = METRICS.grouped_prompts
 out = {"ahead": ahead, "compiled": len(compiled), "grouped": grouped, "plain": run(False), "alone": run(False, [])}
 # What the host feeds a step must not change with the host's array after the call (on a CPU mesh
 # device_put reads a numpy array's memory later).

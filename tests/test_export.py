@@ -1,5 +1,4 @@
 """train_local.py --export: a PEFT adapter and a transformers model that carry what was trained."""
-import inspect
 import json
 import shutil
 
@@ -7,8 +6,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-import serve
 import train_local
+from gemma_lora.adapters import LORA_MODULES
+from gemma_lora.model import MappedSafetensors, load_causal_lm, mapped_safetensors
 
 TOKENS = {"token_ids": np.array([[2, 5, 17, 99, 300, 7, 8, 9, 40, 41]]), "padding_mask": np.ones((1, 10), bool)}
 
@@ -63,7 +63,7 @@ def test_peft_export_of_all_linear_lora_with_alpha_under_peft_math(chat_model, t
     """Every projection, alpha = 2 x rank, trained over an int8 base: PEFT's math on the float base gives
     the merged preset, and the config keeps the trained scale (lora_alpha / r = 2)."""
     config = json.loads((chat_model / "peft" / "adapter_config.json").read_text())
-    assert config["target_modules"] == sorted(train_local.LORA_MODULES)
+    assert config["target_modules"] == sorted(LORA_MODULES)
     assert config["r"] == 16 and config["lora_alpha"] / config["r"] == 2.0
     lora = load_file(str(chat_model / "peft" / "adapter_model.safetensors"))
     where = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
@@ -106,15 +106,6 @@ def test_export_only_needs_a_trained_output(run_train, tmp_path):
     assert result.returncode == 2 and "--export-only needs --export" in result.stderr
 
 
-def test_the_adapter_helpers_are_the_same_in_both_scripts():
-    for name in ("AdapterError", "lora_layer", "kernel_axes", "lora_kernel_shapes", "keras_factors_to_peft",
-                 "read_keras_adapter", "parse_lora_modules", "keras_lora_scale", "keep_unused_imports_out",
-                 "load_causal_lm", "zeros_for_random_initializers", "mapped_safetensors", "MappedSafetensors",
-                 "sentence_piece"):
-        assert inspect.getsource(getattr(serve, name)) == inspect.getsource(getattr(train_local, name)), name
-    assert serve.LORA_MODULES == train_local.LORA_MODULES
-
-
 def test_mapped_safetensors_reads_what_safetensors_reads(tmp_path):
     """The loader's own reader (a view of the mapped file, no copy off a CPU) gives safetensors' tensors, dtype
     for dtype, and keras-hub's module is handed back afterwards."""
@@ -127,7 +118,7 @@ def test_mapped_safetensors_reads_what_safetensors_reads(tmp_path):
                "scalar": np.array(2.5, dtype=np.float32)}
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "np"})
     for copy in (False, True):
-        with serve.MappedSafetensors(tmp_path / "model.safetensors", copy) as f:
+        with MappedSafetensors(tmp_path / "model.safetensors", copy) as f:
             assert sorted(f.keys()) == sorted(tensors)
             for name, expected in tensors.items():
                 got = f.get_tensor(name)
@@ -137,7 +128,7 @@ def test_mapped_safetensors_reads_what_safetensors_reads(tmp_path):
             kept = f.get_tensor("f32")
         np.testing.assert_array_equal(kept, tensors["f32"])  # a view outlives the file's context
     original = safetensor_utils.safetensors
-    with serve.mapped_safetensors():
+    with mapped_safetensors():
         assert safetensor_utils.safetensors is not original
     assert safetensor_utils.safetensors is original
 
@@ -179,7 +170,7 @@ def test_a_model_loads_from_zeros_and_every_weight_is_read(tiny_model):
     import keras
     import keras_hub
     plain = keras_hub.models.CausalLM.from_preset(str(tiny_model), preprocessor=None)
-    loaded = serve.load_causal_lm(str(tiny_model))
+    loaded = load_causal_lm(str(tiny_model))
     assert [w.path for w in loaded.weights] == [w.path for w in plain.weights]
     for ours, theirs in zip(loaded.weights, plain.weights):
         np.testing.assert_array_equal(np.asarray(ours.value), np.asarray(theirs.value), err_msg=ours.path)

@@ -1,17 +1,19 @@
 """train_local.py's data formats (dolly, messages, prompt-completion, text; JSONL or a JSON array) and
 which tokens each one teaches; the learning-rate schedules."""
-import inspect
 import json
 
 import numpy as np
 import pytest
 import sentencepiece as spm
 
-import serve
 import train_local
 from conftest import CHAT_DATA, REPO
+from gemma_lora.adapters import LORA_MODULES, parse_lora_modules
+from gemma_lora.chat import ChatError, message_text, TEMPLATES, parse_messages, render_chat, tools_prompt
+from gemma_lora.frontend.protocol import chat_prompt
+from gemma_lora.frontend.structured import requested_tools, tool_calls_in
 
-GEMMA = train_local.TEMPLATES["gemma-chat"]
+GEMMA = TEMPLATES["gemma-chat"]
 
 
 class FakeTokenizer:
@@ -149,29 +151,19 @@ def test_exactly_the_taught_turns_carry_weight_in_a_three_turn_conversation(tmp_
 def test_conversations_render_exactly_as_serve_renders_them():
     """The renderer is one helper copied into both scripts: training's text up to each answer is the
     prompt serve.py builds for the conversation so far."""
-    segments = train_local.render_chat(train_local.parse_messages(CONVERSATION["messages"]), GEMMA, "assistant")
+    segments = render_chat(parse_messages(CONVERSATION["messages"]), GEMMA, "assistant")
     prompts = ["".join(t for t, _ in segments[:k]) for k in (1, 3, 5)]
-    assert prompts == [serve.chat_prompt(CONVERSATION["messages"][:n], dict(GEMMA, name="gemma-chat"))
+    assert prompts == [chat_prompt(CONVERSATION["messages"][:n], dict(GEMMA, name="gemma-chat"))
                        for n in (2, 4, 6)]
-
-
-def test_chat_and_lora_helpers_are_the_same_in_both_scripts():
-    for name in ("ChatError", "message_text", "parse_messages", "render_chat", "parse_lora_modules",
-                 "keras_lora_scale", "tools_prompt"):
-        assert inspect.getsource(getattr(serve, name)) == inspect.getsource(getattr(train_local, name)), name
-    assert serve.CHAT_ROLES == train_local.CHAT_ROLES and serve.TEMPLATES == train_local.TEMPLATES
-    assert (serve.TOOLS_PROMPT, serve.TOOLS_SEVERAL, serve.TOOLS_ANSWER, serve.ToolRequest._fields) == \
-        (train_local.TOOLS_PROMPT, train_local.TOOLS_SEVERAL, train_local.TOOLS_ANSWER, train_local.ToolRequest._fields)
-    assert serve.DEFAULT_LORA_MODULES == train_local.DEFAULT_LORA_MODULES
 
 
 def test_lora_modules_take_peft_names_or_all_linear():
     assert train_local.parse_args([]).lora_modules == ["q_proj", "v_proj"]
     args = train_local.parse_args(["--lora-modules", "all-linear", "--lora-rank", "8"])
-    assert args.lora_modules == list(train_local.LORA_MODULES) and args.lora_alpha == 8.0
+    assert args.lora_modules == list(LORA_MODULES) and args.lora_alpha == 8.0
     assert train_local.parse_args(["--lora-modules", "down_proj, q_proj"]).lora_modules == ["q_proj", "down_proj"]
     with pytest.raises(ValueError, match="query.*choose from"):
-        train_local.parse_lora_modules("query")
+        parse_lora_modules("query")
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -228,7 +220,7 @@ def test_tool_calls_and_results_render_as_serving_makes_and_reads_them(tmp_path)
     [example], _ = train_local.load_data(args_for(write(tmp_path, [record]), "--template", "gemma-chat"))
     assert example[1] == ('{"name": "get_weather", "arguments": {"city": "Oslo"}}<end_of_turn>', "answer")
     assert "<start_of_turn>user\nTool result:\n-3 C<end_of_turn>" in example[2][0]
-    prompt = serve.chat_prompt(record["messages"][:3], dict(GEMMA, name="gemma-chat"))
+    prompt = chat_prompt(record["messages"][:3], dict(GEMMA, name="gemma-chat"))
     assert prompt == "".join(text for text, _ in example[:3])
     bad = dict(record, messages=record["messages"][:1] + [{"role": "assistant", "tool_calls": [{"function": {
         "name": "f", "arguments": "{broken"}}]}])
@@ -238,18 +230,18 @@ def test_tool_calls_and_results_render_as_serving_makes_and_reads_them(tmp_path)
 
 def test_several_tool_calls_and_trl_s_object_arguments_render_as_the_model_writes_them():
     """Several calls of one turn are the JSON array parallel tool calling lets the model write; TRL's datasets
-    hold arguments as objects, OpenAI sends them as JSON strings: both render the same, in both scripts."""
+    hold arguments as objects, OpenAI sends them as JSON strings: both render the same (one renderer, for both
+    scripts)."""
     calls = [{"type": "function", "function": {"name": "get_time", "arguments": {"zone": "UTC"}}},
              {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "CET"}'}}]
     text = '[{"name": "get_time", "arguments": {"zone": "UTC"}}, {"name": "get_time", "arguments": {"zone": "CET"}}]'
-    for script in (train_local, serve):
-        assert script.message_text(1, {"role": "assistant", "content": None, "tool_calls": calls}) == text
-        assert script.message_text(1, {"role": "assistant", "tool_calls": calls[:1]}) == \
-            '{"name": "get_time", "arguments": {"zone": "UTC"}}'
-        with pytest.raises(script.ChatError, match=r"messages\[1\]: 'tool_calls' must be"):
-            script.message_text(1, {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]})
-    assert [(n, json.loads(a)) for n, a in serve.tool_calls_in(text)] == [("get_time", {"zone": "UTC"}),
-                                                                          ("get_time", {"zone": "CET"})]
+    assert message_text(1, {"role": "assistant", "content": None, "tool_calls": calls}) == text
+    assert message_text(1, {"role": "assistant", "tool_calls": calls[:1]}) == \
+        '{"name": "get_time", "arguments": {"zone": "UTC"}}'
+    with pytest.raises(ChatError, match=r"messages\[1\]: 'tool_calls' must be"):
+        message_text(1, {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]})
+    assert [(n, json.loads(a)) for n, a in tool_calls_in(text)] == [("get_time", {"zone": "UTC"}),
+                                                                    ("get_time", {"zone": "CET"})]
 
 
 def test_a_tools_column_is_described_as_serving_describes_a_request_s_tools(tmp_path):
@@ -262,8 +254,8 @@ def test_a_tools_column_is_described_as_serving_describes_a_request_s_tools(tmp_
     [example], _ = train_local.load_data(args_for(write(tmp_path, [record]), "--template", "gemma-chat"))
     template = dict(GEMMA, name="gemma-chat")
     body = {"tools": record["tools"], "messages": record["messages"][:1]}
-    served = [{"role": "system", "content": serve.tools_prompt(record["tools"], serve.requested_tools(body))}]
-    assert "".join(text for text, _ in example[:1]) == serve.chat_prompt(served + record["messages"][:1], template)
+    served = [{"role": "system", "content": tools_prompt(record["tools"], requested_tools(body))}]
+    assert "".join(text for text, _ in example[:1]) == chat_prompt(served + record["messages"][:1], template)
     call = record["messages"][1]["tool_calls"][0]["function"]
     assert example[1] == (json.dumps({"name": call["name"], "arguments": call["arguments"]}) + "<end_of_turn>",
                           "answer")
@@ -272,7 +264,7 @@ def test_a_tools_column_is_described_as_serving_describes_a_request_s_tools(tmp_
     call_id = {"id": "call_1", **record["messages"][1]["tool_calls"][0]}
     so_far = record["messages"][:1] + [dict(record["messages"][1], tool_calls=[call_id])] + \
         [dict(record["messages"][2], tool_call_id="call_1")]
-    assert "".join(text for text, _ in example[:3]) == serve.chat_prompt(served + so_far, template)
+    assert "".join(text for text, _ in example[:3]) == chat_prompt(served + so_far, template)
     for bad, words in ((dict(record, tools="{not json"), "not JSON"), (dict(record, tools=[{"type": "x"}]), "'tools'")):
         with pytest.raises(train_local.UserError, match=words):
             train_local.load_data(args_for(write(tmp_path, [bad])))

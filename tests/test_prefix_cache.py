@@ -10,6 +10,17 @@ import pytest
 
 import serve
 from conftest import SERVE_FLAGS, TRANSCENDENTAL_RTOL, http, plain_prefill
+from gemma_lora.engine.batch import DecodeBatch
+from gemma_lora.engine.compilation import on_compilation
+from gemma_lora.engine.engine import Engine, GROUP_BLOCK, GROUP_TOKENS, PREFILL_GROUPS
+from gemma_lora.engine.prefix_cache import PrefixCache, gather_blocks, store_blocks
+from gemma_lora.engine import programs
+from gemma_lora.engine.programs import (DECODE_CHUNK, LONGEST_CHUNK, LONG_CHUNK, by_row, cache_position_axes,
+                                        cache_shapes, decode_chunk, forward, from_rows, insert, loop_layouts, prefill,
+                                        sample)
+from gemma_lora.interface import CANDIDATES, Generation, SAMPLER_DEFAULTS, release_all
+from gemma_lora.model import load_model
+from gemma_lora.tokens import grammar_tokenizer
 
 # ----------------------------------------------------------------------------- steps alone
 
@@ -18,7 +29,7 @@ from conftest import SERVE_FLAGS, TRANSCENDENTAL_RTOL, http, plain_prefill
 def test_sample_on_hand_made_logits():
     logits = np.log(np.array([[0.1, 0.6, 0.3, 1e-9], [0.25, 0.25, 0.4, 0.1]], np.float32))
     n = len(logits)
-    token, (logprob, top_logprobs, top_ids) = serve.sample(
+    token, (logprob, top_logprobs, top_ids) = sample(
         logits, np.zeros(n, np.int32), np.zeros(n, np.float32), np.full(n, 128, np.int32), np.ones(n, np.float32),
         np.zeros(n, np.uint32))
     assert token.tolist() == [1, 2]  # greedy: the most likely
@@ -28,18 +39,18 @@ def test_sample_on_hand_made_logits():
     # All rows greedy, none wanting alternatives: an argmax, with the same token and log-probability.
     args = (logits, np.zeros(n, np.int32), np.zeros(n, np.float32), np.full(n, 128, np.int32), np.ones(n, np.float32),
             np.zeros(n, np.uint32))
-    alone, (alone_logprob, alone_top, alone_ids) = serve.sample(*args, np.zeros(n, np.int32))
+    alone, (alone_logprob, alone_top, alone_ids) = sample(*args, np.zeros(n, np.int32))
     assert alone.tolist() == [1, 2] and alone_ids[:, 0].tolist() == [1, 2]
     np.testing.assert_allclose(alone_logprob, logprob, rtol=TRANSCENDENTAL_RTOL / 10)
     assert np.isneginf(alone_top[:, 1:]).all()
-    _, (_, asked_top, asked_ids) = serve.sample(*args, np.array([0, 3], np.int32))  # one row wants 3 alternatives
+    _, (_, asked_top, asked_ids) = sample(*args, np.array([0, 3], np.int32))  # one row wants 3 alternatives
     assert asked_ids.tolist() == top_ids.tolist()
     np.testing.assert_allclose(asked_top, top_logprobs, rtol=1e-6)
     # top_k 1 makes sampling greedy whatever the temperature; top_p keeps just the head of the distribution.
     for top_k, top_p in ((1, 1.0), (128, 0.5)):
-        sampled, _ = serve.sample(logits, np.arange(n, dtype=np.int32), np.ones(n, np.float32),
-                                  np.full(n, top_k, np.int32), np.full(n, top_p, np.float32),
-                                  np.arange(n, dtype=np.uint32))
+        sampled, _ = sample(logits, np.arange(n, dtype=np.int32), np.ones(n, np.float32),
+                            np.full(n, top_k, np.int32), np.full(n, top_p, np.float32),
+                            np.arange(n, dtype=np.uint32))
         assert sampled.tolist() == [1, 2]
 
 
@@ -47,7 +58,7 @@ def test_sample_on_hand_made_logits():
 def test_greedy_rows_wanting_no_alternatives_decode_as_those_that_want_them(engine):
     # logprobs=0 (the token's only) takes the argmax path; 3 alternatives take the top-k path.
     prompt = [engine.bos] + list(range(420, 437))
-    plain, asked = (serve.Generation(prompt, 12, serve.SAMPLER_DEFAULTS["greedy"], 0, [], None, logprobs=k)
+    plain, asked = (Generation(prompt, 12, SAMPLER_DEFAULTS["greedy"], 0, [], None, logprobs=k)
                     for k in (0, 3))
     for g in (plain, asked):
         without_prefix_cache(engine, lambda: engine.generate([g], 1))
@@ -70,10 +81,10 @@ def test_once_a_sampled_row_frees_a_greedy_batch_takes_the_argmax_path(engine):
         return (sampled, logprobs), cache
     engine.programs[2] = programs._replace(decode=decode)
     try:
-        sampled = serve.Generation([engine.bos] + list(range(610, 625)), 4,
-                                   {"temperature": 0.9, "top_k": 40, "top_p": 0.9}, 5, [], None, logprobs=3)
-        greedy = serve.Generation([engine.bos] + list(range(640, 655)), 16, serve.SAMPLER_DEFAULTS["greedy"], 0, [],
-                                  None, logprobs=0)
+        sampled = Generation([engine.bos] + list(range(610, 625)), 4,
+                             {"temperature": 0.9, "top_k": 40, "top_p": 0.9}, 5, [], None, logprobs=3)
+        greedy = Generation([engine.bos] + list(range(640, 655)), 16, SAMPLER_DEFAULTS["greedy"], 0, [],
+                            None, logprobs=0)
         without_prefix_cache(engine, lambda: engine.generate([sampled, greedy], 2))
     finally:
         engine.programs[2] = programs
@@ -89,7 +100,7 @@ def test_insert_writes_one_row_of_a_hand_made_cache(by_select):
     cache = (rng.standard_normal((3, 8, 1, 2)).astype(np.float32),  # Gemma 3: (batch, length, …)
              rng.standard_normal((3, 2, 8, 1, 2)).astype(np.float32))  # Gemma 1/2: (batch, 2, length, …)
     row = (np.ones((1, 4, 1, 2), np.float32), np.full((1, 2, 4, 1, 2), 2.0, np.float32))
-    out = [np.asarray(a) for a in serve.insert((1, 2), cache, row, np.int32(1), by_select=by_select)]
+    out = [np.asarray(a) for a in insert((1, 2), cache, row, np.int32(1), by_select=by_select)]
     assert (out[0][1, :4] == 1).all() and (out[1][1, :, :4] == 2).all()
     np.testing.assert_array_equal(out[0][[0, 2]], cache[0][[0, 2]])  # the other rows, and the row's later positions
     np.testing.assert_array_equal(out[1][[0, 2]], cache[1][[0, 2]])
@@ -108,18 +119,18 @@ def decode_row_by_row_against_the_whole_sequence(model, length=16, starts=(3, 6)
     expected = np.asarray(backbone.token_embedding(hidden, reverse=True))
     variables = model.variables
     values = [v.value for v in variables]
-    rows = [serve.prefill(model, variables, None, values, ids[i:i + 1, :start], {}, np.int32(0))
+    rows = [prefill(model, variables, None, values, ids[i:i + 1, :start], {}, np.int32(0))
             for i, start in enumerate(starts)]
-    cache = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), serve.cache_shapes(model, 2, length))
-    axes = serve.cache_position_axes(model)
+    cache = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), cache_shapes(model, 2, length))
+    axes = cache_position_axes(model)
     for i, row in enumerate(rows):
-        cache = serve.insert(axes, cache, row, i)
+        cache = insert(axes, cache, row, i)
     positions = np.array(starts, np.int32)
     for _ in range(14 - max(starts)):
         tokens = ids[[0, 1], positions]
-        logits, view = serve.forward(model, variables, None, values, serve.by_row(cache), tokens, positions, {},
-                                     np.zeros(2, np.int32))
-        cache = serve.from_rows(view)
+        logits, view = forward(model, variables, None, values, by_row(cache), tokens, positions, {},
+                               np.zeros(2, np.int32))
+        cache = from_rows(view)
         np.testing.assert_allclose(np.asarray(logits), expected[[0, 1], positions], atol=1e-5)
         positions = positions + 1
     return cache, axes, ids[[0, 1], positions - 1], variables, values
@@ -148,8 +159,8 @@ def test_decode_with_local_layers_attending_their_window_equals_keras_hub_over_t
     assert "_compute_attention" not in vars(backbone.transformer_layers[0].attention)  # the class's own again
     # A decode chunk unrolled (what large models get) samples what the looped one does.
     sampling = (np.zeros(2, np.float32), np.full(2, 128, np.int32), np.ones(2, np.float32), np.zeros(2, np.uint32))
-    chunks = [serve.decode_chunk(model, variables, None, axes, unroll, values, cache, length, 2, None, tokens,
-                                 np.array(starts, np.int32), {}, np.zeros(2, np.int32), *sampling)[0]
+    chunks = [decode_chunk(model, variables, None, axes, unroll, values, cache, length, 2, None, tokens,
+                           np.array(starts, np.int32), {}, np.zeros(2, np.int32), *sampling)[0]
               for unroll in (False, True)]
     (looped, looped_logprobs), (unrolled, unrolled_logprobs) = chunks
     assert np.asarray(looped).tolist() == np.asarray(unrolled).tolist()
@@ -157,7 +168,7 @@ def test_decode_with_local_layers_attending_their_window_equals_keras_hub_over_t
     # On a CPU the loop read both attention kernels of every layer laid out for XLA's dots (lay_out_for_loops).
     import collections
     import jax
-    laid_out = collections.Counter(v.path.split("/")[-2] for v, p in zip(variables, serve.loop_layouts(variables)) if p)
+    laid_out = collections.Counter(v.path.split("/")[-2] for v, p in zip(variables, loop_layouts(variables)) if p)
     assert laid_out == ({"query": 6, "attention_output": 6} if jax.default_backend() == "cpu" else {})
 
 
@@ -170,10 +181,10 @@ def test_a_decode_loop_on_a_cpu_copies_no_cache_leaf():
     import jax
     model = tiny_gemma3_with_local_layers()
     variables = model.variables
-    cache = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), serve.cache_shapes(model, 2, 16))
+    cache = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), cache_shapes(model, 2, 16))
     leaf = jax.tree.leaves(cache[0])[0].shape  # (2, 16, 1, 8): rows, positions, heads, dim
     sampling = (np.zeros(2, np.float32), np.full(2, 64, np.int32), np.ones(2, np.float32), np.zeros(2, np.uint32))
-    chunk = jax.jit(functools.partial(serve.decode_chunk, model, variables, None, serve.cache_position_axes(model),
+    chunk = jax.jit(functools.partial(decode_chunk, model, variables, None, cache_position_axes(model),
                                       False), static_argnums=(2, 3), donate_argnums=(1,))  # as the Engine's
     text = chunk.lower([v.value for v in variables], cache, 16, 4, None, np.zeros(2, np.int32),
                        np.array([3, 6], np.int32), {}, np.zeros(2, np.int32), *sampling).compile().as_text()
@@ -206,7 +217,7 @@ def test_gemma_1_and_2_decode_over_a_cache_per_layer_as_keras_hub_computes_the_s
     """keras-hub stacks Gemma 1/2's layers into one cache array; the engine keeps one per layer (no
     restacking per token). Gemma 2 adds logit soft-caps, post-norms and local layers (every other one)."""
     model = tiny_gemma(family)
-    shapes, tokens = serve.cache_shapes(model, 2, 16)
+    shapes, tokens = cache_shapes(model, 2, 16)
     assert isinstance(shapes, tuple) and [s.shape for s in shapes] == [(2, 2, 16, 1, 8)] * 4
     assert tokens.shape == (2, 16)  # the token at each position, beside the cache (for penalties)
     decode_row_by_row_against_the_whole_sequence(model)
@@ -224,12 +235,12 @@ def test_a_decode_step_writing_by_select_decodes_as_the_scatter_does(family, mon
     own = keras.ops.slice_update
     caches, scatters = {}, {}
     for select in (False, True):
-        monkeypatch.setattr(serve, "WRITE_BY_SELECT_ON", (jax.default_backend(),) if select else ())
+        monkeypatch.setattr(programs, "WRITE_BY_SELECT_ON", (jax.default_backend(),) if select else ())
         model = tiny_gemma3_with_local_layers() if family == "gemma3" else tiny_gemma(family)
         cache, _, tokens, variables, values = decode_row_by_row_against_the_whole_sequence(model)
         caches[select] = cache
-        step = jax.make_jaxpr(lambda c: serve.forward(model, variables, None, values, serve.by_row(c), tokens,
-                                                      np.array([7, 9], np.int32), {}, np.zeros(2, np.int32)))(cache)
+        step = jax.make_jaxpr(lambda c: forward(model, variables, None, values, by_row(c), tokens,
+                                                np.array([7, 9], np.int32), {}, np.zeros(2, np.int32)))(cache)
         scatters[select] = str(step).count("scatter")
     assert keras.ops.slice_update is own
     jax.tree.map(np.testing.assert_array_equal, caches[False], caches[True])
@@ -246,15 +257,15 @@ def test_pool_blocks_store_and_gather_back_exactly(axis, shape):
     pool_shape = (5,) + shape[1:axis] + (block,) + shape[axis + 1:]  # 4 blocks + scratch
     pool = np.zeros(pool_shape, np.float32)
     # Row blocks 0, 1, 2 into pool blocks 3, 0, 2; the fourth pair writes to the scratch block (4).
-    pool = serve.store_blocks(axis, pool, row, np.array([0, 1, 2, 0]), np.array([3, 0, 2, 4]))
-    gathered = np.asarray(serve.gather_blocks(axis, pool, np.array([3, 0, 2, 4])))
+    pool = store_blocks(axis, pool, row, np.array([0, 1, 2, 0]), np.array([3, 0, 2, 4]))
+    gathered = np.asarray(gather_blocks(axis, pool, np.array([3, 0, 2, 4])))
     assert gathered.shape == shape
     np.testing.assert_array_equal(np.take(gathered, range(24), axis=axis), np.take(row, range(24), axis=axis))
 
 
 @pytest.mark.device
 def test_hash_chains_match_whole_blocks_of_the_same_tokens_and_adapter():
-    cache = serve.PrefixCache(blocks=8, block_tokens=4)
+    cache = PrefixCache(blocks=8, block_tokens=4)
     ids = list(range(100, 111))  # 11 tokens: 2 full blocks
     keys = cache.keys(ids, adapter=0)
     assert len(keys) == 2 and cache.match(keys) == []
@@ -270,7 +281,7 @@ def test_hash_chains_match_whole_blocks_of_the_same_tokens_and_adapter():
 
 @pytest.mark.device
 def test_one_prompt_longer_than_the_pool_never_gets_a_block_twice():
-    cache = serve.PrefixCache(blocks=3, block_tokens=2)
+    cache = PrefixCache(blocks=3, block_tokens=2)
     written = cache.allocate(cache.keys(list(range(10)), 0))  # 5 blocks into a pool of 3
     blocks = [b for _, b in written]
     assert len(set(blocks)) == len(blocks) == 3
@@ -281,7 +292,7 @@ def test_one_prompt_longer_than_the_pool_never_gets_a_block_twice():
 
 @pytest.mark.device
 def test_eviction_takes_the_least_recently_used_and_never_a_held_block():
-    cache = serve.PrefixCache(blocks=3, block_tokens=2)
+    cache = PrefixCache(blocks=3, block_tokens=2)
     a, b, c, d = ([i, i] for i in (1, 2, 3, 4))
     blocks = {name: cache.allocate(cache.keys(ids, 0))[0][1] for name, ids in (("a", a), ("b", b), ("c", c))}
     cache.release([blocks["b"], blocks["c"]])  # their requests ended; a's still runs
@@ -297,8 +308,8 @@ def test_eviction_takes_the_least_recently_used_and_never_a_held_block():
 
 @pytest.fixture(scope="module")
 def engine(trained_model):
-    model, _, _ = serve.load_model(serve.parse_args(["--model", str(trained_model)]))
-    engine = serve.Engine(model, [1, 2], [64, 128], None, prefix_blocks=16, block_tokens=16)
+    model, _, _ = load_model(serve.parse_args(["--model", str(trained_model)]))
+    engine = Engine(model, [1, 2], [64, 128], None, prefix_blocks=16, block_tokens=16)
     engine.long_chunk_seconds = 0  # long dispatches of LONG_CHUNK tokens, whatever the machine's speed
     engine.group_limits[2] = 64  # pairs in every block, as on an accelerator (a CPU pairs in blocks of 16 only)
     if engine.programs[1].decode_long is None:  # off a CPU they are not built by default, but still checked
@@ -307,7 +318,7 @@ def engine(trained_model):
 
 
 def greedy_rows(engine, prompts, max_tokens=8):
-    rows = [serve.Generation(p, max_tokens, serve.SAMPLER_DEFAULTS["greedy"], 0, [], None, logprobs=0)
+    rows = [Generation(p, max_tokens, SAMPLER_DEFAULTS["greedy"], 0, [], None, logprobs=0)
             for p in prompts]
     engine.generate(rows, len(rows))
     return rows
@@ -323,14 +334,14 @@ def test_a_cached_prefix_gives_the_same_cache_and_tokens_as_computing_it(engine)
     assert again.ids == first.ids
     np.testing.assert_allclose([lp for _, lp, _ in again.token_logprobs], [lp for _, lp, _ in first.token_logprobs],
                                atol=1e-4)
-    row = serve.Generation(prompt, 1, serve.SAMPLER_DEFAULTS["greedy"], 0, [], None)
+    row = Generation(prompt, 1, SAMPLER_DEFAULTS["greedy"], 0, [], None)
     cached_row, start = engine.prefills.row(row)
     plain = plain_prefill(engine, prompt, 64)
     assert start == 32
     import jax
     for c, p, axis in zip(jax.tree.leaves(cached_row), jax.tree.leaves(plain), jax.tree.leaves(engine.axes)):
         np.testing.assert_allclose(np.take(c, range(41), axis), np.take(p, range(41), axis), atol=1e-5)
-    serve.release_all([row])
+    release_all([row])
 
 
 @contextlib.contextmanager
@@ -356,19 +367,19 @@ def without_prefix_cache(engine, fn):
         engine.prefix = saved
 
 
-@pytest.mark.parametrize("sampling, seed", [(serve.SAMPLER_DEFAULTS["greedy"], 0),
+@pytest.mark.parametrize("sampling, seed", [(SAMPLER_DEFAULTS["greedy"], 0),
                                             ({"temperature": 0.9, "top_k": 40, "top_p": 0.9}, 11)])
 @pytest.mark.device
 def test_prompts_admitted_together_are_prefilled_as_a_group_and_answer_as_alone(engine, sampling, seed):
     # Both in 32-token blocks, and new to the pool (a prompt with a cached prefix is prefilled after it).
     prompts = [[engine.bos] + list(range(start + seed, start + seed + 20)) for start in (800, 900)]
-    together = [serve.Generation(p, 12, sampling, seed, [], None, logprobs=3) for p in prompts]
+    together = [Generation(p, 12, sampling, seed, [], None, logprobs=3) for p in prompts]
     with counting(engine, "_prefill_group") as groups:
         engine.generate(together, 2)
     assert len(groups) == 1 and groups[0][1].shape == (2, 32)  # one dispatch for both prompts
-    serve.release_all(together)
+    release_all(together)
     for prompt, grouped in zip(prompts, together):
-        alone = serve.Generation(prompt, 12, sampling, seed, [], None, logprobs=3)
+        alone = Generation(prompt, 12, sampling, seed, [], None, logprobs=3)
         without_prefix_cache(engine, lambda: engine.generate([alone], 1))
         assert grouped.ids == alone.ids and len(alone.ids) == 12
         for (t1, lp1, top1), (t2, lp2, top2) in zip(grouped.token_logprobs, alone.token_logprobs):
@@ -383,7 +394,7 @@ def test_a_group_prefills_what_each_prompt_gets_alone_and_a_shared_prefix_waits_
     first = [engine.bos] + list(range(1000, 1040))  # 41 tokens: 2 full blocks, a 64-token block
     other = [engine.bos] + list(range(1100, 1145))
     sharing = first[:32] + list(range(1200, 1215))
-    rows = [serve.Generation(p, 1, serve.SAMPLER_DEFAULTS["greedy"], 0, [], None) for p in (first, other, sharing)]
+    rows = [Generation(p, 1, SAMPLER_DEFAULTS["greedy"], 0, [], None) for p in (first, other, sharing)]
     with counting(engine, "_prefill_group") as groups:
         caches = engine.prefills.rows(rows)
     assert len(groups) == 1 and groups[0][1].shape == (2, 64)
@@ -395,7 +406,7 @@ def test_a_group_prefills_what_each_prompt_gets_alone_and_a_shared_prefix_waits_
             assert c.shape == p.shape
             np.testing.assert_allclose(np.take(c, range(len(prompt)), axis), np.take(p, range(len(prompt)), axis),
                                        atol=1e-5)
-    serve.release_all(rows)
+    release_all(rows)
 
 
 # ----------------------------------------------------------------------------- over HTTP
@@ -464,7 +475,7 @@ def test_streaming_and_completions_hit_the_cache_with_the_same_text(tiny_server,
             chunks = [json.loads(e[6:]) for e in response.read().decode().split("\n\n") if e and e != "data: [DONE]"]
         text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
     plain = http("POST", nocache_server.url + "/v1/completions", {"prompt": prompt, "max_tokens": 8,
-                                                                   "temperature": 0})[1]
+                                                                  "temperature": 0})[1]
     assert text == plain["choices"][0]["text"]
     assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert "cached=" in tiny_server.output()
@@ -517,7 +528,7 @@ def test_near_the_end_of_the_cache_fewer_blocks_are_reused_so_the_rest_fits(engi
 
 @pytest.mark.device
 def test_blocks_whose_write_failed_are_forgotten_and_reused():
-    cache = serve.PrefixCache(blocks=2, block_tokens=2)
+    cache = PrefixCache(blocks=2, block_tokens=2)
     keys = cache.keys([1, 2, 3, 4], 0)
     written = [b for _, b in cache.allocate(keys)]
     cache.forget(written)  # the pool write raised: these keys must not match KV that was never stored
@@ -531,7 +542,7 @@ def test_blocks_whose_write_failed_are_forgotten_and_reused():
 def decode_alone(engine, generation, steps=None, batch=1):
     """Decodes one generation alone in a batch of `batch`, every chunk `steps` long (None: as a quiet worker
     chooses); returns the positions each chunk advanced the row by."""
-    decoding = serve.DecodeBatch(engine, batch)
+    decoding = DecodeBatch(engine, batch)
     decoding.admit(generation)
     advanced = []
     while decoding.active:
@@ -539,25 +550,25 @@ def decode_alone(engine, generation, steps=None, batch=1):
         decoding.step(steps=steps, quiet=steps is None)
         if decoding.positions[0] > before:  # not the last step, which only reads the chunk dispatched ahead
             advanced.append(int(decoding.positions[0]) - before)
-    serve.release_all([generation])
+    release_all([generation])
     return advanced
 
 
-@pytest.mark.parametrize("sampling, seed", [(serve.SAMPLER_DEFAULTS["greedy"], 0),
+@pytest.mark.parametrize("sampling, seed", [(SAMPLER_DEFAULTS["greedy"], 0),
                                             ({"temperature": 0.9, "top_k": 40, "top_p": 0.9}, 7)])
 @pytest.mark.device
 def test_a_lone_request_in_long_chunks_gets_the_tokens_and_logprobs_of_short_ones(engine, sampling, seed):
     prompt = [engine.bos] + list(range(500, 520))
-    short, long, chunks = (serve.Generation(prompt, 37, sampling, seed, [], None, logprobs=3) for _ in range(3))
+    short, long, chunks = (Generation(prompt, 37, sampling, seed, [], None, logprobs=3) for _ in range(3))
     # Batch 2's chunks are decode_chunk's. On a CPU batch 1 makes its own DECODE_CHUNKs with its long decode,
     # stopped after as many tokens, and so stops on the last token a row needs; where chunks are dispatched
     # ahead (a TPU or GPU) they are decode_chunk's too, which makes the whole chunk (Engine.long_makes_chunks).
     assert engine.programs[2].decode_long is None
-    assert decode_alone(engine, short, serve.DECODE_CHUNK, batch=2) == [serve.DECODE_CHUNK] * 10
-    last = 1 if engine.long_makes_chunks(1) else serve.DECODE_CHUNK
-    assert decode_alone(engine, chunks, serve.DECODE_CHUNK) == [serve.DECODE_CHUNK] * 9 + [last]
+    assert decode_alone(engine, short, DECODE_CHUNK, batch=2) == [DECODE_CHUNK] * 10
+    last = 1 if engine.long_makes_chunks(1) else DECODE_CHUNK
+    assert decode_alone(engine, chunks, DECODE_CHUNK) == [DECODE_CHUNK] * 9 + [last]
     # 37 tokens: two full long chunks, then one of the last 5 (a long dispatch makes a token at a time).
-    assert decode_alone(engine, long) == [serve.LONG_CHUNK, serve.LONG_CHUNK, 5]
+    assert decode_alone(engine, long) == [LONG_CHUNK, LONG_CHUNK, 5]
     for got in (long, chunks):
         assert got.ids == short.ids and len(got.ids) == 37 and got.finish_reason == "length"
         for (t1, lp1, top1), (t2, lp2, top2) in zip(got.token_logprobs, short.token_logprobs):
@@ -570,20 +581,20 @@ def test_a_fast_model_makes_longer_long_chunks_with_the_same_tokens(engine):
     """A long dispatch may make more tokens than LONG_CHUNK: it attends over a window that holds them all (in
     the window of position + LONG_CHUNK, the rows went past its end with wrong log-probabilities)."""
     prompt = [engine.bos] + list(range(520, 540))
-    short, long = (serve.Generation(prompt, 90, serve.SAMPLER_DEFAULTS["greedy"], 0, [], None, logprobs=1)
+    short, long = (Generation(prompt, 90, SAMPLER_DEFAULTS["greedy"], 0, [], None, logprobs=1)
                    for _ in range(2))
-    decode_alone(engine, short, serve.DECODE_CHUNK)
+    decode_alone(engine, short, DECODE_CHUNK)
     engine.long_chunk_seconds, engine.token_seconds = 1000.0, None  # any speed fits LONGEST_CHUNK tokens
     try:
         # Nothing measured yet: LONG_CHUNK; then the longest (positions 36-99, past the 64 window), then what
         # remains (90 - 16 - 64 = 10).
         assert engine.length_buckets == [64, 128]
-        assert decode_alone(engine, long) == [serve.LONG_CHUNK, serve.LONGEST_CHUNK, 10]
+        assert decode_alone(engine, long) == [LONG_CHUNK, LONGEST_CHUNK, 10]
         assert 0 < engine.token_seconds < 1
-        engine.long_chunk_seconds = engine.token_seconds * (serve.LONG_CHUNK + serve.DECODE_CHUNK + 1)
-        assert engine.long_limit() == serve.LONG_CHUNK + serve.DECODE_CHUNK  # whole chunks that fit the time
+        engine.long_chunk_seconds = engine.token_seconds * (LONG_CHUNK + DECODE_CHUNK + 1)
+        assert engine.long_limit() == LONG_CHUNK + DECODE_CHUNK  # whole chunks that fit the time
         engine.long_chunk_seconds = engine.token_seconds
-        assert engine.long_limit() == serve.LONG_CHUNK  # never fewer
+        assert engine.long_limit() == LONG_CHUNK  # never fewer
     finally:
         engine.long_chunk_seconds = 0
     assert long.ids == short.ids and len(long.ids) == 90
@@ -594,16 +605,16 @@ def test_a_fast_model_makes_longer_long_chunks_with_the_same_tokens(engine):
 @pytest.mark.device
 def test_a_long_chunk_ends_with_the_token_on_which_its_row_stopped(engine):
     prompt = [engine.bos] + list(range(600, 630))
-    sampling = {"temperature": 1.0, "top_k": serve.CANDIDATES, "top_p": 1.0}  # varied tokens, seeded
-    reference = serve.Generation(prompt, 12, sampling, 3, [], None)
-    decode_alone(engine, reference, serve.DECODE_CHUNK)
+    sampling = {"temperature": 1.0, "top_k": CANDIDATES, "top_p": 1.0}  # varied tokens, seeded
+    reference = Generation(prompt, 12, sampling, 3, [], None)
+    decode_alone(engine, reference, DECODE_CHUNK)
     # A token first made in the second short chunk (positions 4-7) becomes a stop token.
     at = next(k for k in range(4, 8) if reference.ids[k] not in reference.ids[:k])
     stop = reference.ids[at]
     saved = engine.stop_ids
     engine.stop_ids = saved | {stop}
     try:
-        stopped = serve.Generation(prompt, 40, sampling, 3, [], None)
+        stopped = Generation(prompt, 40, sampling, 3, [], None)
         assert decode_alone(engine, stopped) == [at + 1]  # not LONG_CHUNK: it stopped on the stop token
     finally:
         engine.stop_ids = saved
@@ -613,16 +624,16 @@ def test_a_long_chunk_ends_with_the_token_on_which_its_row_stopped(engine):
 @pytest.mark.device
 def test_streamed_and_waited_on_rows_keep_short_chunks(engine):
     prompt = [engine.bos] + list(range(700, 710))
-    streamed = serve.Generation(prompt, 20, serve.SAMPLER_DEFAULTS["greedy"], 0, [], queue.Queue())
+    streamed = Generation(prompt, 20, SAMPLER_DEFAULTS["greedy"], 0, [], queue.Queue())
     first, *rest = decode_alone(engine, streamed)
-    last = 3 if engine.long_makes_chunks(1) else serve.DECODE_CHUNK  # as in the test above
-    assert first == 1 and rest == [serve.DECODE_CHUNK] * 4 + [last]  # the first token alone, as soon as it is made
-    decoding = serve.DecodeBatch(engine, 1)
-    waited_on = serve.Generation(prompt, 20, serve.SAMPLER_DEFAULTS["greedy"], 0, [], None)
+    last = 3 if engine.long_makes_chunks(1) else DECODE_CHUNK  # as in the test above
+    assert first == 1 and rest == [DECODE_CHUNK] * 4 + [last]  # the first token alone, as soon as it is made
+    decoding = DecodeBatch(engine, 1)
+    waited_on = Generation(prompt, 20, SAMPLER_DEFAULTS["greedy"], 0, [], None)
     decoding.admit(waited_on)
     decoding.step(quiet=False)  # a request waits for a row: it gets one after a short chunk
-    assert decoding.positions[0] == len(prompt) - 1 + serve.DECODE_CHUNK
-    serve.release_all([waited_on])
+    assert decoding.positions[0] == len(prompt) - 1 + DECODE_CHUNK
+    release_all([waited_on])
 
 
 # ----------------------------------------------------------------------------- chunks dispatched ahead
@@ -632,11 +643,11 @@ def mixed_generations(engine):
     log-probabilities, one streamed; max_tokens not all multiples of DECODE_CHUNK, so rows end inside
     chunks."""
     seeded = {"temperature": 0.9, "top_k": 40, "top_p": 0.9}
-    greedy = serve.SAMPLER_DEFAULTS["greedy"]
+    greedy = SAMPLER_DEFAULTS["greedy"]
     specs = [(5, 7, greedy, None), (20, 9, seeded, 3), (9, 12, greedy, 2), (14, 5, seeded, None),
              (11, 10, greedy, 3), (7, 6, seeded, None)]
-    return [serve.Generation([engine.bos] + list(range(300 + 40 * i, 300 + 40 * i + n)), max_tokens, sampling, i,
-                             [], queue.Queue() if i == 4 else None, logprobs=logprobs)
+    return [Generation([engine.bos] + list(range(300 + 40 * i, 300 + 40 * i + n)), max_tokens, sampling, i,
+                       [], queue.Queue() if i == 4 else None, logprobs=logprobs)
             for i, (n, max_tokens, sampling, logprobs) in enumerate(specs)]
 
 
@@ -654,7 +665,7 @@ def logprobs_of(generations):
 
 @pytest.mark.device
 def test_chunks_dispatched_ahead_answer_as_chunks_read_one_by_one_and_compile_nothing(engine, monkeypatch):
-    ahead = serve.Engine(engine.model, [2], [64], None, dispatch_ahead=True)
+    ahead = Engine(engine.model, [2], [64], None, dispatch_ahead=True)
     ahead.warm_up()
     ahead.dispatch_ahead = False
     reference = mixed_generations(ahead)
@@ -671,13 +682,13 @@ def test_chunks_dispatched_ahead_answer_as_chunks_read_one_by_one_and_compile_no
     next_tokens = ahead.programs[2].next_tokens
     merged, early, compiled = [], [], []
     ahead.programs[2] = ahead.programs[2]._replace(next_tokens=lambda *a: merged.append(1) or next_tokens(*a))
-    admit_all = serve.DecodeBatch.admit_all
+    admit_all = DecodeBatch.admit_all
 
     def counted_admit_all(self, generations):  # rows still held by a generation that ends in the pending chunk
         early.append(sum(self.rows[row] is not None for row in self.free_row_ids()[:len(generations)]))
         return admit_all(self, generations)
-    monkeypatch.setattr(serve.DecodeBatch, "admit_all", counted_admit_all)
-    serve.on_compilation(lambda: compiled.append(1))
+    monkeypatch.setattr(DecodeBatch, "admit_all", counted_admit_all)
+    on_compilation(lambda: compiled.append(1))
     ahead.dispatch_ahead = True
     generations = mixed_generations(ahead)
     ahead.generate(generations, 2)
@@ -692,22 +703,22 @@ def test_chunks_dispatched_ahead_answer_as_chunks_read_one_by_one_and_compile_no
 def test_a_finished_grammars_last_mask_does_not_reach_the_next_request_in_its_row(engine):
     import llguidance
     tokenizer = engine.model.preprocessor.tokenizer
-    matcher = llguidance.LLMatcher(serve.grammar_tokenizer(tokenizer, engine.vocabulary_size, engine.stop_ids),
+    matcher = llguidance.LLMatcher(grammar_tokenizer(tokenizer, engine.vocabulary_size, engine.stop_ids),
                                    llguidance.LLMatcher.grammar_from_regex("ab"), log_level=0)
     prompt = [engine.bos] + list(range(600, 612))
-    greedy = serve.SAMPLER_DEFAULTS["greedy"]
+    greedy = SAMPLER_DEFAULTS["greedy"]
 
     def run():
-        alone = serve.Generation(prompt, 4, greedy, 0, [], queue.Queue())
+        alone = Generation(prompt, 4, greedy, 0, [], queue.Queue())
         decode_alone(engine, alone)
-        decoding = serve.DecodeBatch(engine, 1)
-        constrained = serve.Generation(prompt, 8, greedy, 0, [], None)
+        decoding = DecodeBatch(engine, 1)
+        constrained = Generation(prompt, 8, greedy, 0, [], None)
         constrained.matcher = matcher
         decoding.admit(constrained)
         while decoding.active:
             decoding.step()
         # The next request in that row streams: its first token comes from a one-token (masked) step.
-        after = serve.Generation(prompt, 4, greedy, 0, [], queue.Queue())
+        after = Generation(prompt, 4, greedy, 0, [], queue.Queue())
         decoding.admit(after)
         while decoding.active:
             decoding.step()
@@ -722,11 +733,11 @@ def test_an_accelerator_s_large_groups_give_each_prompt_its_own_prefill(engine, 
     """Off a CPU a wave of newcomers is prefilled in groups of up to 64 (GROUP_TOKENS): 21 prompts go as
     16 + 4 + 1, and each row holds what keras-hub's prefill of that prompt alone makes."""
     monkeypatch.setattr(engine, "group_sizes", [2, 4, 8, 16])
-    monkeypatch.setattr(engine, "group_limits", {size: min(serve.GROUP_BLOCK, serve.GROUP_TOKENS // size)
-                                                 for size in serve.PREFILL_GROUPS})
+    monkeypatch.setattr(engine, "group_limits", {size: min(GROUP_BLOCK, GROUP_TOKENS // size)
+                                                 for size in PREFILL_GROUPS})
     assert engine.group_sizes_for(16) == [2, 4, 8, 16]
     prompts = [[engine.bos] + list(range(2000 + 20 * i, 2000 + 20 * i + 5 + i % 9)) for i in range(21)]
-    rows = [serve.Generation(p, 1, serve.SAMPLER_DEFAULTS["greedy"], 0, [], None) for p in prompts]
+    rows = [Generation(p, 1, SAMPLER_DEFAULTS["greedy"], 0, [], None) for p in prompts]
     groups = []
     with counting(engine, "_prefill_group") as calls:
         made = without_prefix_cache(engine, lambda: engine.prefills.rows(rows))
@@ -739,4 +750,4 @@ def test_an_accelerator_s_large_groups_give_each_prompt_its_own_prefill(engine, 
                                    jax.tree.leaves(engine.axes)):
             np.testing.assert_allclose(np.take(got, range(len(prompt)), axis), np.take(want, range(len(prompt)), axis),
                                        atol=1e-5)
-    serve.release_all(rows)
+    release_all(rows)

@@ -7,6 +7,10 @@ import numpy as np
 import pytest
 
 from conftest import REPO, YES_QUESTIONS, http, script_env
+from gemma_lora.chat import TEMPLATES
+from gemma_lora.engine.engine import Engine
+from gemma_lora.interface import Generation, SAMPLER_DEFAULTS
+from gemma_lora.model import load_causal_lm, load_model
 
 SERVE = ["--length-buckets", "64", "--max-batch-size", "1"]
 
@@ -26,7 +30,7 @@ def greedy(server, prompt, max_tokens=8):
 def float32_bytes(model_dir):
     import serve
     args = serve.parse_args(["--model", str(model_dir), "--dtype", "float32"])
-    model, dtype, _ = serve.load_model(args)
+    model, dtype, _ = load_model(args)
     assert dtype == "float32" and {w.dtype for w in model.weights} == {"float32"}
     return sum(w.value.nbytes for w in model.weights)
 
@@ -52,7 +56,7 @@ def test_int8_serving_shrinks_the_weights_and_never_compiles_per_request(trained
     float_bytes = float32_bytes(trained_model)
     assert int8_bytes < 0.3 * float_bytes
     import serve
-    int4, _, _ = serve.load_model(serve.parse_args(["--model", str(trained_model), "--quantize", "int4"]))
+    int4, _, _ = load_model(serve.parse_args(["--model", str(trained_model), "--quantize", "int4"]))
     assert sum(w.value.nbytes for w in int4.weights) < int8_bytes
 
 
@@ -62,11 +66,12 @@ def test_on_a_cpu_decode_chunks_run_in_loops_whatever_the_weights(trained_model,
     Off a CPU, large weights are, from batch 2."""
     import jax
     import serve
-    monkeypatch.setattr(serve, "UNROLL_FROM_BYTES", 0)  # the tiny model, as if large enough to unroll
+    from gemma_lora.engine import engine as engine_module
+    monkeypatch.setattr(engine_module, "UNROLL_FROM_BYTES", 0)  # the tiny model, as if large enough to unroll
     unrolled = {}
     for quantize in ("none", "int8"):
-        model, _, _ = serve.load_model(serve.parse_args(["--model", str(trained_model), "--quantize", quantize]))
-        unrolled[quantize] = serve.Engine(model, [1, 2], [64], None).unrolled
+        model, _, _ = load_model(serve.parse_args(["--model", str(trained_model), "--quantize", quantize]))
+        unrolled[quantize] = Engine(model, [1, 2], [64], None).unrolled
     expected = set() if jax.default_backend() == "cpu" else {2}
     assert unrolled == {"none": expected, "int8": expected}
 
@@ -76,9 +81,8 @@ def test_qlora_trains_serves_and_its_adapter_reproduces_the_saved_model(yes_mode
     assert record["base_quantization"] == "int8"
     assert record["history"][-1]["loss"] < 0.5 * record["history"][0]["loss"]
     import keras_hub
-    import serve
     import train_local
-    template = serve.TEMPLATES["gemma-chat"]
+    template = TEMPLATES["gemma-chat"]
     prompts = [template["prompt"].format(instruction=q) for q in YES_QUESTIONS[::5]]
     served = [greedy(yes_server, p) for p in prompts]  # the saved preset serves as it is
     assert all(answer == "Yes." for answer in served)
@@ -91,13 +95,13 @@ def test_qlora_trains_serves_and_its_adapter_reproduces_the_saved_model(yes_mode
     train_local.quantize_base(rebuilt, "int8")
     rebuilt.backbone.enable_lora(rank=16)
     rebuilt.backbone.load_lora_weights(str(yes_model / "adapter.lora.h5"))
-    engine = serve.Engine(rebuilt, [1], [64], None)
+    engine = Engine(rebuilt, [1], [64], None)
     ids = np.array([[engine.bos] + engine.encode(prompts[0] + "Yes.")], np.int32)
     x = {"token_ids": ids, "padding_mask": np.ones_like(ids, bool)}
     logits = {name: np.asarray(m(x)) for name, m in [("saved", saved), ("base", base), ("rebuilt", rebuilt)]}
     assert np.abs(logits["rebuilt"] - logits["saved"]).max() < 0.1 * np.abs(logits["saved"] - logits["base"]).max()
     for prompt, answer in zip(prompts, served):
-        g = serve.Generation([engine.bos] + engine.encode(prompt), 8, serve.SAMPLER_DEFAULTS["greedy"], 0, [], None)
+        g = Generation([engine.bos] + engine.encode(prompt), 8, SAMPLER_DEFAULTS["greedy"], 0, [], None)
         engine.generate([g], 1)
         assert g.text == answer
 
@@ -154,12 +158,12 @@ def test_quantizing_collects_garbage_once_not_per_kernel(trained_model, tmp_path
     calls = []
     collect = gc.collect
     monkeypatch.setattr(gc, "collect", lambda *a: calls.append(1) or collect(*a))
-    model, _, _ = serve.load_model(serve.parse_args(["--model", str(trained_model), "--quantize", "int8"]))
+    model, _, _ = load_model(serve.parse_args(["--model", str(trained_model), "--quantize", "int8"]))
     kernels = [layer for layer in model.backbone._flatten_layers() if getattr(layer, "quantization_mode", None)]
     assert len(kernels) >= 10 and all("int8" in {w.dtype for w in layer.weights} for layer in kernels)
     assert len(calls) <= 3  # loading's and quantizing's release_freed_memory, not one a kernel
     assert gc.collect is not collect and not any(w.dtype == "float32" and w.path.endswith("/kernel")
                                                  for layer in kernels for w in layer.weights)
     calls.clear()
-    train_local.quantize_base(train_local.load_causal_lm(str(trained_model)), "int8")
+    train_local.quantize_base(load_causal_lm(str(trained_model)), "int8")
     assert len(calls) == 1

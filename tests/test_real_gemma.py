@@ -10,9 +10,9 @@ import subprocess
 import numpy as np
 import pytest
 
-import serve
 
 from conftest import REPO, SAMPLE_DATA, free_port, http, script_env
+from gemma_lora.interface import Generation, SAMPLER_DEFAULTS
 
 ENGLISH = ("The history of the city goes back more than two thousand years. It was founded as a small fishing "
            "village on the banks of the river, and over the centuries it grew into an important centre of trade. "
@@ -49,7 +49,7 @@ def test_converted_tokenizer_matches_the_gguf_vocabulary(demo, base_model):
 
 
 def test_text_made_a_chunk_at_a_time_is_the_real_tokenizer_s_decoding(base_model):
-    # serve.Generation.detokenize decodes only new tokens and a few before them (issue #48): on Gemma 3's
+    # Generation.detokenize decodes only new tokens and a few before them (issue #48): on Gemma 3's
     # 262,144 pieces (whitespace runs, byte fallback, emoji) the text after each chunk is decode(all ids).
     import random
     import types
@@ -60,7 +60,7 @@ def test_text_made_a_chunk_at_a_time_is_the_real_tokenizer_s_decoding(base_model
     rng = random.Random(0)
     ids = sp.encode("Él dijo:  «naïve»\n\n    日本語 😀🇫🇷 x") + [rng.randrange(3, sp.get_piece_size()) for _ in range(300)]
     for chunk in (1, 4):
-        g = serve.Generation([2], len(ids), dict(serve.SAMPLER_DEFAULTS["greedy"], ignore_eos=True), 0, [], None)
+        g = Generation([2], len(ids), dict(SAMPLER_DEFAULTS["greedy"], ignore_eos=True), 0, [], None)
         for start in range(0, len(ids), chunk):
             for token in ids[start:start + chunk]:
                 g.accept(token, engine, emit=False)

@@ -9,6 +9,9 @@ import sentencepiece as spm
 
 import train_local
 from conftest import CHAT_DATA, SAMPLE_DATA, http
+from gemma_lora.adapters import LORA_MODULES, lora_layer
+from gemma_lora.chat import TEMPLATES
+from gemma_lora.tokens import make_text_codec
 
 
 def in_process(tiny_model, modules=("q_proj", "v_proj"), rank=4, alpha=4.0, seed=0, remat=False):
@@ -28,7 +31,7 @@ def examples(tiny_model):
     tokenizer = keras_hub.models.CausalLM.from_preset(str(tiny_model)).preprocessor.tokenizer
     args = train_local.parse_args(["--data", str(SAMPLE_DATA), "--limit", "8", "--eval-examples", "0"])
     pairs, _ = train_local.load_data(args)
-    encode, _ = train_local.make_text_codec(tokenizer)
+    encode, _ = make_text_codec(tokenizer)
     return train_local.tokenize(pairs, encode, tokenizer, 128, "response")[0]
 
 
@@ -81,8 +84,8 @@ def test_remat_gives_the_same_loss_and_update(tiny_model, examples):
 
 @pytest.mark.device
 def test_all_linear_lora_with_alpha_trains_every_projection_at_its_scale(tiny_model):
-    model = in_process(tiny_model, modules=train_local.LORA_MODULES, rank=4, alpha=8.0)
-    layers = [train_local.lora_layer(model.backbone, i, m) for i in range(2) for m in train_local.LORA_MODULES]
+    model = in_process(tiny_model, modules=LORA_MODULES, rank=4, alpha=8.0)
+    layers = [lora_layer(model.backbone, i, m) for i in range(2) for m in LORA_MODULES]
     assert all(layer.lora_enabled and layer.lora_alpha / layer.lora_rank == 2.0 for layer in layers)
     trainable = {id(v) for v in model.trainable_variables}
     assert trainable == {id(w) for layer in layers for w in (layer.lora_kernel_a, layer.lora_kernel_b)}
@@ -123,7 +126,7 @@ def test_keep_best_publishes_the_step_with_the_lowest_held_out_loss(tmp_path, ti
     model = keras_hub.models.CausalLM.from_preset(str(out))
     args = train_local.parse_args(["--data", str(SAMPLE_DATA), "--limit", "40", "--eval-examples", "12"])
     _, held_out = train_local.load_data(args)
-    encode, _ = train_local.make_text_codec(model.preprocessor.tokenizer)
+    encode, _ = make_text_codec(model.preprocessor.tokenizer)
     examples, _, _ = train_local.tokenize(held_out, encode, model.preprocessor.tokenizer, 512, "response")
     trainer = train_local.Trainer(model, keras.optimizers.AdamW(), None)
     trainer.warm_up(record["buckets"], 4, 0, with_eval=True)
@@ -135,7 +138,7 @@ def test_a_chat_run_records_its_recipe_and_learns(chat_model):
     record = json.loads((chat_model / "training.json").read_text())
     args = record["args"]
     assert record["data_format"] == "messages" and args["loss_on"] == "response"
-    assert args["lora_modules"] == list(train_local.LORA_MODULES) and args["lora_alpha"] == 8.0
+    assert args["lora_modules"] == list(LORA_MODULES) and args["lora_alpha"] == 8.0
     assert record["prompt_template"]["name"] == "gemma-chat"
     history = record["history"]
     schedule = train_local.learning_rate_schedule(train_local.parse_args(
@@ -172,7 +175,7 @@ def test_an_all_linear_adapter_with_alpha_serves_as_its_merged_preset(adapter_se
     merged = keras_hub.models.CausalLM.from_preset(str(chat_model))
     sp = spm.SentencePieceProcessor(model_file=str(tiny_model / "tokenizer.model"))
     stops = {1, sp.piece_to_id("<end_of_turn>")}
-    template = train_local.TEMPLATES["gemma-chat"]["prompt"]
+    template = TEMPLATES["gemma-chat"]["prompt"]
     for question in CHAT_PROMPTS:
         prompt = template.format(instruction=question)
         status, answer, _ = http("POST", adapter_server.url + "/v1/completions", {

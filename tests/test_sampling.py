@@ -9,6 +9,11 @@ import pytest
 
 import serve
 from conftest import http
+from gemma_lora.engine.batch import RowSampling
+from gemma_lora.engine.engine import Engine
+from gemma_lora.engine.programs import ADJUST_ARRAYS, adjust_logits
+from gemma_lora.interface import Generation, SAMPLER_DEFAULTS
+from gemma_lora.model import load_model
 
 # ----------------------------------------------------------------------------- the step alone
 
@@ -34,15 +39,15 @@ def reference_adjust(logits, at, history, prompt_length, frequency=0.0, presence
 
 def row_arrays(rows, window):
     """adjust_logits' arrays for rows given as dicts of reference_adjust's keyword arguments."""
-    sampler = serve.RowSampling(len(rows))
+    sampler = RowSampling(len(rows))
     history = np.zeros((len(rows), window), np.int32)
     for i, row in enumerate(rows):
-        sampling = dict(serve.SAMPLER_DEFAULTS["greedy"], frequency_penalty=row.get("frequency", 0.0),
+        sampling = dict(SAMPLER_DEFAULTS["greedy"], frequency_penalty=row.get("frequency", 0.0),
                         presence_penalty=row.get("presence", 0.0), repetition_penalty=row.get("repetition", 1.0),
                         logit_bias=row.get("bias"), min_tokens=row.get("min_tokens", 0))
         sampler.set(i, sampling, prompt_length=row["prompt_length"], model_stop_ids=row.get("stop_ids", ()))
         history[i, :len(row["history"])] = row["history"]
-    return history, [getattr(sampler, name) for name in serve.ADJUST_ARRAYS]
+    return history, [getattr(sampler, name) for name in ADJUST_ARRAYS]
 
 
 @pytest.mark.device
@@ -62,7 +67,7 @@ def test_penalties_bias_and_min_tokens_match_the_formulas_on_hand_made_logits():
     ]
     history, arrays = row_arrays(rows, window)
     at = np.array([row["at"] for row in rows], np.int32)
-    got = np.asarray(serve.adjust_logits(logits, at, history, *arrays))
+    got = np.asarray(adjust_logits(logits, at, history, *arrays))
     for i, row in enumerate(rows):
         min_position = row["prompt_length"] - 1 + row.get("min_tokens", 0) if row.get("min_tokens") else 0
         expected = reference_adjust(logits[i], row["at"], row["history"], row["prompt_length"], row.get("frequency", 0),
@@ -73,7 +78,7 @@ def test_penalties_bias_and_min_tokens_match_the_formulas_on_hand_made_logits():
     assert (got[3] == logits[3]).all()
     # No row asking for anything: the logits come back as they were (the cond's cheap branch).
     plain_history, plain = row_arrays([dict(history=[2, 3], prompt_length=1)] * 2, window)
-    np.testing.assert_array_equal(np.asarray(serve.adjust_logits(logits[:2], at[:2], plain_history, *plain)),
+    np.testing.assert_array_equal(np.asarray(adjust_logits(logits[:2], at[:2], plain_history, *plain)),
                                   logits[:2])
 
 
@@ -82,15 +87,15 @@ def test_penalties_bias_and_min_tokens_match_the_formulas_on_hand_made_logits():
 
 @pytest.fixture(scope="module")
 def engine(trained_model):
-    model, _, _ = serve.load_model(serve.parse_args(["--model", str(trained_model)]))
-    engine = serve.Engine(model, [1, 2], [64], None)
+    model, _, _ = load_model(serve.parse_args(["--model", str(trained_model)]))
+    engine = Engine(model, [1, 2], [64], None)
     engine.long_chunk_seconds = 0
     return engine
 
 
 def row(engine, prompt, max_tokens, **fields):
-    sampling = dict(serve.SAMPLER_DEFAULTS["greedy"], **fields)
-    return serve.Generation([engine.bos] + prompt, max_tokens, sampling, 0, [], None)
+    sampling = dict(SAMPLER_DEFAULTS["greedy"], **fields)
+    return Generation([engine.bos] + prompt, max_tokens, sampling, 0, [], None)
 
 
 def reference_greedy(model, prompt, steps, **fields):

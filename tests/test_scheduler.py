@@ -7,9 +7,19 @@ import numpy as np
 import pytest
 
 import serve
+from gemma_lora.adapters import read_adapter
+from gemma_lora.engine.adapter_slots import AdapterSlots
+from gemma_lora.engine.batch import DecodeBatch, resized_batch
+from gemma_lora.engine.core import auto_batch_size, auto_max_queue, batch_buckets, fitting_batch_size
+from gemma_lora.engine.engine import Engine
+from gemma_lora.engine.worker import Worker
+from gemma_lora.frontend.api import health
+from gemma_lora.frontend.server import RequestError, Server, ready_engine
+from gemma_lora.interface import Generation, QueueFull, SAMPLER_DEFAULTS, WorkerGone, release_all
+from gemma_lora.model import load_model
 
 SEEDED = {"temperature": 0.9, "top_k": 40, "top_p": 0.9}
-GREEDY = serve.SAMPLER_DEFAULTS["greedy"]
+GREEDY = SAMPLER_DEFAULTS["greedy"]
 SYSTEM = list(range(500, 532))  # two full prefix blocks of 16: prompts that share it reuse its KV
 
 
@@ -17,12 +27,12 @@ SYSTEM = list(range(500, 532))  # two full prefix blocks of 16: prompts that sha
 def engine(tiny_model, no_model, yes_model):
     """Batches of 1, 2 and 4 over the tiny model, two LoRA adapters and a prefix cache."""
     import jax
-    model, _, shapes = serve.load_model(serve.parse_args(["--model", str(tiny_model)]))
+    model, _, shapes = load_model(serve.parse_args(["--model", str(tiny_model)]))
     vocabulary = model.preprocessor.tokenizer.get_vocabulary()
-    slots = serve.AdapterSlots(model.backbone, shapes, ["q_proj", "v_proj"], 2, 64, put=jax.device_put)
+    slots = AdapterSlots(model.backbone, shapes, ["q_proj", "v_proj"], 2, 64, put=jax.device_put)
     for name, path in (("no", no_model), ("yes", yes_model)):
-        slots.load(serve.read_adapter(name, path, model.backbone, shapes, vocabulary))
-    engine = serve.Engine(model, [1, 2, 4], [64, 128], None, adapters=slots, prefix_blocks=32, block_tokens=16)
+        slots.load(read_adapter(name, path, model.backbone, shapes, vocabulary))
+    engine = Engine(model, [1, 2, 4], [64, 128], None, adapters=slots, prefix_blocks=32, block_tokens=16)
     engine.long_chunk_seconds = 0
     return engine
 
@@ -35,7 +45,7 @@ def generations(engine):
              (GREEDY, 0, "yes", list(range(720, 745)), 7)]
     out = []
     for sampling, seed, adapter, ids, max_tokens in specs:
-        g = serve.Generation([engine.bos] + ids, max_tokens, sampling, seed, [], None, logprobs=2)
+        g = Generation([engine.bos] + ids, max_tokens, sampling, seed, [], None, logprobs=2)
         if adapter is not None:
             g.adapter = engine.adapters.acquire(adapter)
             g.slot = g.adapter.slot
@@ -63,14 +73,14 @@ def test_a_batch_grown_and_shrunk_mid_generation_answers_as_one_of_its_final_siz
     assert held_nothing(engine)
 
     grown = generations(engine)
-    batch = serve.DecodeBatch(engine, 1)
+    batch = DecodeBatch(engine, 1)
     batch.admit(grown[0])
     batch.step()
-    batch = serve.resized_batch(batch, 2)  # one row busy mid-generation, one joins
+    batch = resized_batch(batch, 2)  # one row busy mid-generation, one joins
     assert batch.size == 2 and batch.rows[0] is grown[0]
     batch.admit(grown[1])
     batch.step()
-    batch = serve.resized_batch(batch, 4)
+    batch = resized_batch(batch, 4)
     assert batch.size == 4 and batch.rows[:2] == grown[:2]
     batch.admit_all(grown[2:4])
     while batch.free_rows == 0:
@@ -83,7 +93,7 @@ def test_a_batch_grown_and_shrunk_mid_generation_answers_as_one_of_its_final_siz
         batch.step()
     assert batch.active == 1
     last = next(g for g in batch.rows if g is not None)
-    batch = serve.resized_batch(batch, 1)  # the last one left finishes alone
+    batch = resized_batch(batch, 1)  # the last one left finishes alone
     assert batch.size == 1 and batch.rows == [last]
     while batch.active:
         batch.step()
@@ -93,7 +103,7 @@ def test_a_batch_grown_and_shrunk_mid_generation_answers_as_one_of_its_final_siz
 
 
 def run_worker(engine, max_batch_size=4):
-    worker = serve.Worker(engine, max_batch_size, 0.0, 100)
+    worker = Worker(engine, max_batch_size, 0.0, 100)
     worker.start()
     return worker
 
@@ -108,8 +118,8 @@ def wait_idle(worker, timeout=60):
 @pytest.mark.device
 def test_a_request_arriving_during_a_long_one_joins_at_the_next_dispatch(engine):
     worker = run_worker(engine)
-    long = serve.Generation([engine.bos] + list(range(800, 810)), 110, GREEDY, 0, [], None)
-    short = serve.Generation([engine.bos] + list(range(820, 830)), 6, GREEDY, 0, [], None)
+    long = Generation([engine.bos] + list(range(800, 810)), 110, GREEDY, 0, [], None)
+    short = Generation([engine.bos] + list(range(820, 830)), 6, GREEDY, 0, [], None)
     worker.submit([long])
     while len(long.ids) < 4:
         time.sleep(0.001)
@@ -124,7 +134,7 @@ def failing_on_a_handed_on_row(monkeypatch):
     """DecodeBatch.settle raises, once, when reading a chunk one of whose rows was already handed to the
     next request: the chunk is then the only holder of the request that ended there. Returns the
     requests it held that way."""
-    settle, orphans = serve.DecodeBatch.settle, []
+    settle, orphans = DecodeBatch.settle, []
 
     def flaky(self, chunk=None):
         if chunk is not None and not orphans:
@@ -132,7 +142,7 @@ def failing_on_a_handed_on_row(monkeypatch):
             if orphans:
                 raise RuntimeError("injected: reading the chunk failed")
         return settle(self, chunk)
-    monkeypatch.setattr(serve.DecodeBatch, "settle", flaky)
+    monkeypatch.setattr(DecodeBatch, "settle", flaky)
     return orphans
 
 
@@ -150,7 +160,7 @@ def test_a_chunk_that_fails_to_read_finishes_every_request_the_batch_took(engine
     assert all(g.done.wait(60) for g in gens), [g.finish_reason for g in gens]
     assert orphans and all(g.finish_reason == "error" for g in orphans)
     assert wait_idle(worker) and held_nothing(engine)
-    after = serve.Generation([engine.bos, 900, 901], 3, GREEDY, 0, [], None)
+    after = Generation([engine.bos, 900, 901], 3, GREEDY, 0, [], None)
     worker.submit([after])
     assert after.done.wait(60) and after.finish_reason == "length" and wait_idle(worker)
 
@@ -162,15 +172,15 @@ def test_a_failed_pool_store_leaves_a_fresh_pool_and_no_key_to_match(engine, mon
     def broken(pool, *args):
         raise RuntimeError("injected: the pool write failed")
     monkeypatch.setattr(engine.prefix, "store_program", broken)
-    g = serve.Generation(prompt, 2, GREEDY, 0, [], None)
+    g = Generation(prompt, 2, GREEDY, 0, [], None)
     with pytest.raises(RuntimeError, match="injected"):
         engine.prefills.row(g)
-    serve.release_all([g])
+    release_all([g])
     monkeypatch.undo()
     assert engine.prefix.match(engine.prefills.keys(g)) == [] and engine.prefix.used() == 0
     import jax
     assert all(not leaf.is_deleted() for leaf in jax.tree.leaves(engine.prefix.pool))
-    first, again = (serve.Generation(prompt, 4, GREEDY, 0, [], None) for _ in range(2))
+    first, again = (Generation(prompt, 4, GREEDY, 0, [], None) for _ in range(2))
     engine.generate([first], 1)
     engine.generate([again], 1)
     assert again.cached_tokens == 32 and again.ids == first.ids and held_nothing(engine)
@@ -179,7 +189,7 @@ def test_a_failed_pool_store_leaves_a_fresh_pool_and_no_key_to_match(engine, mon
 def test_concurrent_submits_never_overshoot_the_queue_limit():
     class Stalled:  # a worker whose thread never runs: only submit() fills its queue
         pass
-    worker = serve.Worker(Stalled(), 4, 0.0, 10)
+    worker = Worker(Stalled(), 4, 0.0, 10)
     worker.alive = lambda: True  # as if its thread were running
     start, refused = threading.Barrier(32), []
 
@@ -187,7 +197,7 @@ def test_concurrent_submits_never_overshoot_the_queue_limit():
         start.wait()
         try:
             worker.submit([object()])
-        except serve.QueueFull:
+        except QueueFull:
             refused.append(1)
     threads = [threading.Thread(target=client) for _ in range(32)]
     for t in threads:
@@ -205,21 +215,21 @@ def test_the_default_queue_holds_a_full_batch_and_batch_sizes_go_up_by_fours_to_
     assert serve.parse_args(["--model", "x", "--max-queue", "12"]).max_queue == 12
     with pytest.raises(SystemExit):
         serve.parse_args(["--model", "x", "--max-queue", "many"])
-    assert serve.auto_max_queue(8) == 64 and serve.auto_max_queue(256) == 512
-    worker = serve.Worker(object(), 256, 0.0, serve.auto_max_queue(256))
+    assert auto_max_queue(8) == 64 and auto_max_queue(256) == 512
+    worker = Worker(object(), 256, 0.0, auto_max_queue(256))
     worker.alive = lambda: True  # as if its thread were running: only submit() fills its queue
     for _ in range(2):
         worker.submit([object()] * 256)
-    with pytest.raises(serve.QueueFull):
+    with pytest.raises(QueueFull):
         worker.submit([object()])
     # A CPU's batch (8) still doubles; above 16, 1, 4, 16, 64 (a step costs the weights' read there), then
     # doubling (a step's cost grows with the rows); every size a multiple of the data-parallel batch axis.
-    assert serve.batch_buckets(8, 1) == [1, 2, 4, 8] and serve.batch_buckets(16, 1) == [1, 2, 4, 8, 16]
-    assert serve.batch_buckets(64, 1) == [1, 4, 16, 64]
-    assert serve.batch_buckets(256, 1) == [1, 4, 16, 64, 128, 256]
-    assert serve.batch_buckets(100, 1) == [1, 4, 16, 64, 100]
-    assert serve.batch_buckets(256, 8) == [8, 16, 64, 128, 256]
-    assert serve.batch_buckets(64, 1, sizes=[1, 8, 64]) == [1, 8, 64]
+    assert batch_buckets(8, 1) == [1, 2, 4, 8] and batch_buckets(16, 1) == [1, 2, 4, 8, 16]
+    assert batch_buckets(64, 1) == [1, 4, 16, 64]
+    assert batch_buckets(256, 1) == [1, 4, 16, 64, 128, 256]
+    assert batch_buckets(100, 1) == [1, 4, 16, 64, 100]
+    assert batch_buckets(256, 8) == [8, 16, 64, 128, 256]
+    assert batch_buckets(64, 1, sizes=[1, 8, 64]) == [1, 8, 64]
 
 
 # ----------------------------------------------------------------------------- the server
@@ -239,12 +249,12 @@ def test_health_is_503_once_the_worker_thread_is_gone():
     class Gone:
         def alive(self):
             return False
-    state = serve.Server(serve.parse_args(["--model", "x"]))
+    state = Server(serve.parse_args(["--model", "x"]))
     state.state, state.worker = "ready", Gone()
-    reply = serve.health(state, None)
+    reply = health(state, None)
     assert reply.status == 503 and reply.payload == {"status": "failed"}
-    with pytest.raises(serve.RequestError) as refused:
-        serve.ready_engine(state)
+    with pytest.raises(RequestError) as refused:
+        ready_engine(state)
     assert refused.value.status == 503
 
 
@@ -253,16 +263,16 @@ def test_max_batch_size_auto_fills_the_device_memory_left_and_keeps_8_on_a_cpu(e
     # Gemma 2B in bfloat16 on one TPU v5e (15.7 GiB): ~10.5 GiB left after the weights and the pool. A row's
     # KV cache is 18 layers x K and V x 256 dims x 2 bytes a position; the vocabulary 256,000.
     row_256, row_8192 = 18 * 2 * 256 * 2 * 256, 18 * 2 * 256 * 2 * 8192
-    assert serve.fitting_batch_size(10.5 * gib, row_256, 256_000) == (256, pytest.approx(
+    assert fitting_batch_size(10.5 * gib, row_256, 256_000) == (256, pytest.approx(
         1.5 * 512 * row_256 + 24 * 512 * 256_000))  # capped
-    size, need = serve.fitting_batch_size(10.5 * gib, row_8192, 256_000)
+    size, need = fitting_batch_size(10.5 * gib, row_8192, 256_000)
     assert size == 32 and need > 0.85 * 10.5 * gib  # 64 rows of 8,192 positions would not fit
-    assert serve.fitting_batch_size(100 * mib, row_8192, 256_000)[0] == 1  # never less than one row
-    sizes = [serve.fitting_batch_size(free * gib, row_8192, 256_000)[0] for free in (1, 2, 4, 8, 16, 32, 64, 128)]
+    assert fitting_batch_size(100 * mib, row_8192, 256_000)[0] == 1  # never less than one row
+    sizes = [fitting_batch_size(free * gib, row_8192, 256_000)[0] for free in (1, 2, 4, 8, 16, 32, 64, 128)]
     assert sizes == sorted(sizes) and sizes[-1] == 256
     args = serve.parse_args(["--model", "x"])
     assert args.max_batch_size is None  # auto: decided on the device
-    assert serve.auto_batch_size(engine.model, args) == 8  # a CPU
+    assert auto_batch_size(engine.model, args) == 8  # a CPU
 
 
 @pytest.mark.device
@@ -271,10 +281,10 @@ def test_a_failed_growth_fails_only_the_newcomers_and_the_running_rows_go_on(eng
     waiting for those rows fail, the one already decoding ends as it would have alone, and nothing is held."""
     # Long enough to be decoding still when the newcomers come (with 40 tokens it could end first, and a
     # newcomer then took its row without a growth: seen when the suite's programs came from a compile cache).
-    alone = serve.Generation([engine.bos] + list(range(860, 870)), 100, GREEDY, 0, [], None)
+    alone = Generation([engine.bos] + list(range(860, 870)), 100, GREEDY, 0, [], None)
     engine.generate([alone], 1)
     worker = run_worker(engine)
-    long = serve.Generation([engine.bos] + list(range(860, 870)), 100, GREEDY, 0, [], None)
+    long = Generation([engine.bos] + list(range(860, 870)), 100, GREEDY, 0, [], None)
 
     def broken(*args):
         raise RuntimeError("injected: no memory for a larger batch")
@@ -282,7 +292,7 @@ def test_a_failed_growth_fails_only_the_newcomers_and_the_running_rows_go_on(eng
     worker.submit([long])
     while len(long.ids) < 4:
         time.sleep(0.001)
-    newcomers = [serve.Generation([engine.bos] + list(range(880 + i, 890 + i)), 5, GREEDY, 0, [], None)
+    newcomers = [Generation([engine.bos] + list(range(880 + i, 890 + i)), 5, GREEDY, 0, [], None)
                  for i in range(3)]
     worker.submit(newcomers)
     assert all(g.done.wait(60) for g in newcomers + [long])
@@ -290,7 +300,7 @@ def test_a_failed_growth_fails_only_the_newcomers_and_the_running_rows_go_on(eng
     assert long.finish_reason == "length" and long.ids == alone.ids
     assert wait_idle(worker) and worker.depth() == 0 and held_nothing(engine)
     monkeypatch.undo()  # the batch grows again once it can
-    later = [serve.Generation([engine.bos] + list(range(900 + i, 910 + i)), 5, GREEDY, 0, [], None) for i in range(3)]
+    later = [Generation([engine.bos] + list(range(900 + i, 910 + i)), 5, GREEDY, 0, [], None) for i in range(3)]
     worker.submit(later)
     assert all(g.done.wait(60) and g.finish_reason == "length" for g in later) and wait_idle(worker)
 
@@ -301,9 +311,9 @@ def test_a_submit_racing_the_worker_s_exit_is_refused_not_lost():
     wait forever, and shutdown its whole timeout)."""
     class Dying:
         pass
-    worker = serve.Worker(Dying(), 4, 0.0, 10)
-    queued = serve.Generation([2, 3], 2, GREEDY, 0, [], None)
-    raced = serve.Generation([2, 4], 2, GREEDY, 0, [], None)
+    worker = Worker(Dying(), 4, 0.0, 10)
+    queued = Generation([2, 3], 2, GREEDY, 0, [], None)
+    raced = Generation([2, 4], 2, GREEDY, 0, [], None)
     outcome, collect = [], worker.collect
 
     def racing_collect():
@@ -312,7 +322,7 @@ def test_a_submit_racing_the_worker_s_exit_is_refused_not_lost():
                 try:
                     worker.submit([raced])
                     outcome.append("queued")
-                except serve.WorkerGone:
+                except WorkerGone:
                     outcome.append("refused")
             racer = threading.Thread(target=submit)
             racer.start()
@@ -333,5 +343,5 @@ def test_a_submit_racing_the_worker_s_exit_is_refused_not_lost():
     assert outcome == ["blocked", "refused"]
     assert queued.done.is_set() and queued.finish_reason == "error"
     assert not worker.alive() and worker.depth() == 0
-    with pytest.raises(serve.WorkerGone):
-        worker.submit([serve.Generation([2, 5], 2, GREEDY, 0, [], None)])
+    with pytest.raises(WorkerGone):
+        worker.submit([Generation([2, 5], 2, GREEDY, 0, [], None)])

@@ -12,9 +12,10 @@ import urllib.request
 import numpy as np
 import pytest
 
-import serve
 
 from conftest import REPO, burst_until_grouped, http, raw_request, script_env
+from gemma_lora.interface import Generation, SAMPLER_DEFAULTS
+from gemma_lora.metrics import ThreadCPU, WORKER_PARTS
 
 ARTICLE_PROMPT = "Instruction:\nExplain the difference between a GPU and a TPU.\n\nResponse:\n"
 
@@ -303,8 +304,8 @@ def test_kagglehub_is_imported_only_for_a_model_from_kaggle(trained_model, where
     """kagglehub only downloads presets: for a local model keras-hub imports without it (14 MiB of RSS), for a
     preset's name (a Kaggle handle, as kaggle:// is) it is there to download."""
     model = str(trained_model) if where == "local" else where
-    check = (f"import sys; sys.path.insert(0, {str(REPO)!r}); import serve; serve.keep_unused_imports_out({model!r}); "
-             "import keras_hub; from keras_hub.src.utils import preset_utils; "
+    check = (f"import sys; sys.path.insert(0, {str(REPO)!r}); from gemma_lora.model import keep_unused_imports_out; "
+             f"keep_unused_imports_out({model!r}); import keras_hub; from keras_hub.src.utils import preset_utils; "
              "print('KAGGLEHUB', preset_utils.kagglehub is not None)")
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, env=script_env(), timeout=300)
     assert f"KAGGLEHUB {downloads}" in result.stdout, result.stdout + result.stderr
@@ -380,7 +381,7 @@ def test_the_worker_s_time_adds_up_and_each_dispatch_is_counted_and_timed(server
     after, wall = scrape(), time.perf_counter() - started
     worker = {k: v - parts(before, "serve_worker_seconds_total").get(k, 0)
               for k, v in parts(after, "serve_worker_seconds_total").items()}
-    assert set(worker) == {f'part="{p}"' for p in serve.WORKER_PARTS}
+    assert set(worker) == {f'part="{p}"' for p in WORKER_PARTS}
     # Every moment of the worker's counts once: the parts add up to the wall time between the two scrapes.
     assert abs(sum(worker.values()) - wall) < 0.05 * wall + 0.05, (sum(worker.values()), wall, worker)
     assert worker['part="idle"'] > 0.1 and worker['part="read"'] > 0 and worker['part="admit"'] > 0
@@ -404,7 +405,7 @@ def test_the_worker_s_time_adds_up_and_each_dispatch_is_counted_and_timed(server
 def test_the_process_s_cpu_time_is_told_by_thread_so_the_gil_s_load_shows(server):
     # Issue #48: whether the HTTP front end would pay in a process of its own depends on how much of one GIL
     # the model worker and the HTTP threads use together; /metrics says it by kind of thread.
-    threads = serve.ThreadCPU()
+    threads = ThreadCPU()
     if threads.totals() is None:
         pytest.skip("no /proc: thread CPU times are Linux-only")
 
@@ -448,7 +449,7 @@ def test_the_process_s_cpu_time_is_told_by_thread_so_the_gil_s_load_shows(server
         return {line[len("serve_thread_cpu_seconds_total{role=\""):].partition("\"")[0]: float(line.rpartition(" ")[2])
                 for line in text.splitlines() if line.startswith("serve_thread_cpu_seconds_total{")}
     first = scrape()
-    assert set(first) == set(serve.ThreadCPU.ROLES)
+    assert set(first) == set(ThreadCPU.ROLES)
     # A live thread's time moves in clock ticks (10 ms): streamed requests until the worker's has moved a tick.
     for i in range(40):
         status, _, _ = post(server, {"prompt": f"Threads {i} " * 20, "max_tokens": 16, "stream": True},
@@ -517,7 +518,7 @@ def test_text_made_a_chunk_at_a_time_is_the_whole_answer_s_decoding(tiny_model, 
     full = sp.decode(ids)
     assert any(sp.id_to_piece(i).startswith("<0x") for i in ids)  # byte-fallback pieces are in it
     events = queue.Queue()
-    g = serve.Generation([2], len(ids), dict(serve.SAMPLER_DEFAULTS["greedy"], ignore_eos=True), 0, [], events)
+    g = Generation([2], len(ids), dict(SAMPLER_DEFAULTS["greedy"], ignore_eos=True), 0, [], events)
     for start in range(0, len(ids), chunk):
         for token in ids[start:start + chunk]:
             g.accept(token, engine, emit=False)
@@ -531,7 +532,7 @@ def test_text_made_a_chunk_at_a_time_is_the_whole_answer_s_decoding(tiny_model, 
     assert "".join(pieces) == full
     # Stop strings are looked for in the same text, token by token: cut where decoding it all would be.
     stop = full[len(full) // 2:len(full) // 2 + 3]
-    g = serve.Generation([2], len(ids), dict(serve.SAMPLER_DEFAULTS["greedy"], ignore_eos=True), 0, [stop], None)
+    g = Generation([2], len(ids), dict(SAMPLER_DEFAULTS["greedy"], ignore_eos=True), 0, [stop], None)
     for token in ids:
         if g.accept(token, engine, emit=False):
             break

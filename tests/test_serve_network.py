@@ -4,12 +4,18 @@ import http.client as httpclient
 import json
 import re
 import socket
+import sys
 import threading
 import time
 
 import pytest
 
 from conftest import http
+from gemma_lora.frontend.http import Hangups
+from gemma_lora.frontend.server import ClientGone
+from gemma_lora.frontend.streams import StreamWriter, stream_events
+from gemma_lora.interface import Generation, SAMPLER_DEFAULTS
+from gemma_lora.log import log
 
 @pytest.fixture(scope="module")
 def server(tiny_server):
@@ -106,15 +112,14 @@ def test_a_streaming_client_that_leaves_is_cancelled(server):
 def test_the_hangup_watch_outlasts_pipelined_bytes_and_sees_the_client_leave(family):
     """Bytes after a request (a pipelined request, a stray CRLF) must not end the watch: a disconnect
     after them still cancels the generations."""
-    import serve
     if family == "unix":
         ours, theirs = socket.socketpair()
     else:
         with socket.create_server(("127.0.0.1", 0)) as listener:
             theirs = socket.create_connection(listener.getsockname())
             ours, _ = listener.accept()
-    hangups = serve.Hangups()
-    g = serve.Generation([2, 3], 5, serve.SAMPLER_DEFAULTS["greedy"], 0, [], None)
+    hangups = Hangups()
+    g = Generation([2, 3], 5, SAMPLER_DEFAULTS["greedy"], 0, [], None)
     hangups.watch(ours, [g])
     theirs.sendall(b"\r\nGET /health HTTP/1.1\r\nHost: x\r\n\r\n")
     time.sleep(0.3)
@@ -219,8 +224,7 @@ def test_max_connections_is_enforced_without_a_thread(trained_model, start_serve
 def test_the_hangup_watcher_survives_a_connection_closed_under_it(monkeypatch):
     """Its handler closes a connection between the watcher's lookup and its check (fileno() is then -1, and
     poll.register raised ValueError, which ended the thread): the watcher goes on and sees later hang-ups."""
-    import serve
-    hangups = serve.Hangups()
+    hangups = Hangups()
     hung_up, injected = hangups.hung_up, []
 
     def closing_first(connection):
@@ -230,7 +234,7 @@ def test_the_hangup_watcher_survives_a_connection_closed_under_it(monkeypatch):
         return hung_up(connection)
     monkeypatch.setattr(hangups, "hung_up", closing_first)
     first_ours, first_theirs = socket.socketpair()
-    first = serve.Generation([2, 3], 5, serve.SAMPLER_DEFAULTS["greedy"], 0, [], None)
+    first = Generation([2, 3], 5, SAMPLER_DEFAULTS["greedy"], 0, [], None)
     hangups.watch(first_ours, [first])
     first_theirs.close()
     deadline = time.time() + 10
@@ -238,7 +242,7 @@ def test_the_hangup_watcher_survives_a_connection_closed_under_it(monkeypatch):
         time.sleep(0.01)
     assert injected
     ours, theirs = socket.socketpair()
-    later = serve.Generation([2, 3], 5, serve.SAMPLER_DEFAULTS["greedy"], 0, [], None)
+    later = Generation([2, 3], 5, SAMPLER_DEFAULTS["greedy"], 0, [], None)
     hangups.watch(ours, [later])
     theirs.close()
     while not later.cancelled and time.time() < deadline:
@@ -249,7 +253,6 @@ def test_the_hangup_watcher_survives_a_connection_closed_under_it(monkeypatch):
 
 
 def test_log_lines_are_written_whole_from_many_threads(monkeypatch):
-    import serve
 
     class Recorder:
         def __init__(self):
@@ -262,8 +265,8 @@ def test_log_lines_are_written_whole_from_many_threads(monkeypatch):
         def flush(self):
             pass
     recorder = Recorder()
-    monkeypatch.setattr(serve.sys, "stdout", recorder)
-    threads = [threading.Thread(target=lambda i=i: [serve.log(f"thread {i} line {j}") for j in range(200)])
+    monkeypatch.setattr(sys, "stdout", recorder)
+    threads = [threading.Thread(target=lambda i=i: [log(f"thread {i} line {j}") for j in range(200)])
                for i in range(16)]
     for t in threads:
         t.start()
@@ -297,15 +300,14 @@ def test_one_thread_writes_every_stream_and_a_client_that_stops_reading_is_dropp
     ends the stream as a client that left."""
     import types
 
-    import serve
-    writer = serve.StreamWriter()
+    writer = StreamWriter()
 
     def stream(first=()):
         events = writer.events()
         gens = [types.SimpleNamespace(cancelled=False)]
         gens[0].cancel = lambda g=gens[0]: setattr(g, "cancelled", True)
-        return serve.stream_events(gens, events, lambda i, text, reason, e: [{"text": text, "reason": reason}],
-                                   first=first, last=lambda: {"usage": 1}), gens[0]
+        return stream_events(gens, events, lambda i, text, reason, e: [{"text": text, "reason": reason}],
+                             first=first, last=lambda: {"usage": 1}), gens[0]
 
     def serve_in_thread(events, connection, timeout):
         outcome = {}
@@ -349,6 +351,6 @@ def test_one_thread_writes_every_stream_and_a_client_that_stops_reading_is_dropp
     gone.put((0, "a", None, []))
     gone.put((0, "", "cancelled", []))
     thread.join(10)
-    assert isinstance(outcome["error"], serve.ClientGone) and gone_gen.cancelled
+    assert isinstance(outcome["error"], ClientGone) and gone_gen.cancelled
     for s in (reading, reading_client, stuck, stuck_client, ours, theirs):
         s.close()

@@ -11,6 +11,15 @@ import pytest
 
 import serve
 from conftest import REPO, http
+from gemma_lora.chat import ToolRequest, tools_prompt
+from gemma_lora.engine.batch import DecodeBatch
+from gemma_lora.engine.engine import Engine
+from gemma_lora.engine.programs import DECODE_CHUNK, apply_token_mask
+from gemma_lora.frontend.structured import requested_grammar, tool_call_message, tool_calls_in, tools_grammar
+from gemma_lora.interface import Generation, SAMPLER_DEFAULTS
+from gemma_lora.metrics import METRICS
+from gemma_lora.model import load_model
+from gemma_lora.tokens import grammar_tokenizer, make_text_codec
 
 TOOL_DATA = REPO / "tests" / "data" / "tool_sample.jsonl"
 
@@ -22,7 +31,7 @@ PERSON = {"type": "object", "properties": {
     "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
                                                  "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
                 "required": ["city", "zip"], "additionalProperties": False}},
-    "required": ["name", "age", "role", "address"], "additionalProperties": False}
+          "required": ["name", "age", "role", "address"], "additionalProperties": False}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city.",
                                             "parameters": {"type": "object", "properties": {
                                                 "city": {"type": "string", "maxLength": 12},
@@ -169,7 +178,7 @@ def test_tool_choice_none_is_no_tools_and_the_prompt_describes_tools(server):
     messages = [{"role": "user", "content": "Hi"}]
     plain = chat(server, {}, messages=messages, max_tokens=8)
     assert chat(server, {"tools": [WEATHER], "tool_choice": "none"}, messages=messages, max_tokens=8) == plain
-    described = serve.tools_prompt([WEATHER])
+    described = tools_prompt([WEATHER])
     assert "get_weather: Current weather in a city." in described and '"enum": ["celsius", "fahrenheit"]' in described
 
 
@@ -189,7 +198,7 @@ def test_tool_choice_none_is_no_tools_and_the_prompt_describes_tools(server):
     ({"tools": [WEATHER], "messages": MESSAGES + [{"role": "tool", "tool_call_id": "call_9", "content": "x"}]}, 400,
      "'call_9' is not the id of any tool call"),
     ({"messages": MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [{"id": "call_9", "type": "function",
-                                "function": {"name": "get_weather", "arguments": "{}"}}]},
+                                                                                     "function": {"name": "get_weather", "arguments": "{}"}}]},
                               {"role": "tool", "tool_call_id": "call_9", "content": 7}]}, 400,
      "messages[2]: 'content' must be a string"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400, "not among"),
@@ -227,11 +236,11 @@ def test_the_grammar_vocabulary_keeps_markers_special_and_bytes_raw(tiny_model):
     tokenizer = keras_hub.models.CausalLM.from_preset(str(tiny_model)).preprocessor.tokenizer
     vocabulary = tokenizer.get_vocabulary()
     stop = {tokenizer.end_token_id, tokenizer.token_to_id("<end_of_turn>")}
-    grammar_tokens = serve.grammar_tokenizer(tokenizer, len(vocabulary), stop)
+    grammar_tokens = grammar_tokenizer(tokenizer, len(vocabulary), stop)
     for marker in ("<start_of_turn>", "<end_of_turn>", "<eos>", "<bos>", "<pad>"):
         assert grammar_tokens.is_special_token(tokenizer.token_to_id(marker)), marker
     assert grammar_tokens.decode_bytes([tokenizer.token_to_id("<0x41>")]) == b"A"
-    assert grammar_tokens.decode_str(serve.make_text_codec(tokenizer)[0]("Hello world\n")) == "Hello world\n"
+    assert grammar_tokens.decode_str(make_text_codec(tokenizer)[0]("Hello world\n")) == "Hello world\n"
 
 
 @pytest.mark.device
@@ -241,25 +250,25 @@ def test_apply_token_mask_on_a_hand_made_mask():
     masks[0, 0] = 1 << 5  # token 5
     masks[0, 2] = 1 << 1  # token 65
     masks[1] = -1  # every token
-    out = np.asarray(serve.apply_token_mask(logits, masks))
+    out = np.asarray(apply_token_mask(logits, masks))
     assert np.isfinite(out[0]).nonzero()[0].tolist() == [5, 65] and np.isfinite(out[1]).all()
 
 
 @pytest.fixture(scope="module")
 def grammar_engine(trained_model):
-    model, _, _ = serve.load_model(serve.parse_args(["--model", str(trained_model)]))
-    engine = serve.Engine(model, [8], [64, 320], None)
-    return engine, serve.grammar_tokenizer(model.preprocessor.tokenizer, engine.vocabulary_size, engine.stop_ids)
+    model, _, _ = load_model(serve.parse_args(["--model", str(trained_model)]))
+    engine = Engine(model, [8], [64, 320], None)
+    return engine, grammar_tokenizer(model.preprocessor.tokenizer, engine.vocabulary_size, engine.stop_ids)
 
 
 ENGINE_FORMS = [FORMS["json_schema"], FORMS["regex"], FORMS["choice"],
-                ({"tools": serve.tools_grammar(serve.ToolRequest([WEATHER["function"], TIME["function"]], False, False))},
-                 lambda text: serve.tool_call_message(text, "stop")[0]["content"] is None)]
+                ({"tools": tools_grammar(ToolRequest([WEATHER["function"], TIME["function"]], False, False))},
+                 lambda text: tool_call_message(text, "stop")[0]["content"] is None)]
 
 
 @pytest.mark.device
 @pytest.mark.parametrize("ahead", [False, True], ids=["read-each-chunk", "dispatched-ahead"])
-@pytest.mark.parametrize("sampling", [serve.SAMPLER_DEFAULTS["greedy"], {"temperature": 0.9, "top_k": 3, "top_p": 1.0},
+@pytest.mark.parametrize("sampling", [SAMPLER_DEFAULTS["greedy"], {"temperature": 0.9, "top_k": 3, "top_p": 1.0},
                                       {"temperature": 1.0, "top_k": 40, "top_p": 0.9}])
 def test_grammar_rows_keep_multi_token_dispatches_and_answer_as_a_token_a_step(grammar_engine, sampling, ahead,
                                                                                monkeypatch):
@@ -272,10 +281,10 @@ def test_grammar_rows_keep_multi_token_dispatches_and_answer_as_a_token_a_step(g
     import llguidance
     engine, tokenizer = grammar_engine
     monkeypatch.setattr(engine, "dispatch_ahead", ahead)
-    rewind, voided = serve.DecodeBatch.rewind, []  # whether a chunk in flight was voided at each dropped token
-    monkeypatch.setattr(serve.DecodeBatch, "rewind", lambda self, row, g, position: (
+    rewind, voided = DecodeBatch.rewind, []  # whether a chunk in flight was voided at each dropped token
+    monkeypatch.setattr(DecodeBatch, "rewind", lambda self, row, g, position: (
         voided.append(self.pending is not None), rewind(self, row, g, position))[1])
-    grammars = [serve.requested_grammar(extra)[1] if "tools" not in extra else extra["tools"]
+    grammars = [requested_grammar(extra)[1] if "tools" not in extra else extra["tools"]
                 for extra, _ in ENGINE_FORMS]
     programs, dispatches = engine.programs[8], []
 
@@ -289,9 +298,9 @@ def test_grammar_rows_keep_multi_token_dispatches_and_answer_as_a_token_a_step(g
         rows = []
         for i, grammar in enumerate(grammars):
             prompt = [engine.bos] + engine.encode(f"Instruction:\nAnswer number {i}.\n\nResponse:\n")
-            constrained = serve.Generation(prompt, 96, sampling, 10 + i, [], None)
+            constrained = Generation(prompt, 96, sampling, 10 + i, [], None)
             constrained.matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-            free = serve.Generation(prompt, 24 + i, sampling, 20 + i, [], None)
+            free = Generation(prompt, 24 + i, sampling, 20 + i, [], None)
             free.finish = lambda reason, engine=None, finish=free.finish: (
                 freed.append(len(dispatches)), finish(reason, engine))[1]
             rows += [constrained, free]
@@ -304,7 +313,7 @@ def test_grammar_rows_keep_multi_token_dispatches_and_answer_as_a_token_a_step(g
     engine.programs[8] = programs._replace(decode=counted(programs.decode, False), decode_long=None if (
         programs.decode_long is None) else counted(programs.decode_long, True))
     try:
-        dropped = serve.METRICS.grammar_dropped
+        dropped = METRICS.grammar_dropped
         chunked, free_dispatches = run(True)
         chunked_dispatches, dispatches[:] = list(dispatches), []
         single, single_free_dispatches = run(False)
@@ -316,13 +325,13 @@ def test_grammar_rows_keep_multi_token_dispatches_and_answer_as_a_token_a_step(g
     # Beside the free rows every dispatch made 4 tokens, masked (read each chunk; dispatched ahead, a chunk after
     # one not read yet is masked only for rows whose tokens were dropped). Left alone, grammar rows that may
     # keep a chunk's later tokens go on in chunks; those that keep only masked draws (top-p), a token a dispatch.
-    assert [steps for steps, _ in chunked_dispatches[:free_dispatches]] == [serve.DECODE_CHUNK] * free_dispatches
+    assert [steps for steps, _ in chunked_dispatches[:free_dispatches]] == [DECODE_CHUNK] * free_dispatches
     assert ahead or all(masked for _, masked in chunked_dispatches[:free_dispatches])
-    alone = {1} if sampling["temperature"] > 0 and sampling["top_p"] < 1 else {serve.DECODE_CHUNK}
+    alone = {1} if sampling["temperature"] > 0 and sampling["top_p"] < 1 else {DECODE_CHUNK}
     assert {steps for steps, _ in chunked_dispatches[free_dispatches:]} <= alone
-    assert free_dispatches <= -(-27 // serve.DECODE_CHUNK) + 1 < single_free_dispatches / 3
+    assert free_dispatches <= -(-27 // DECODE_CHUNK) + 1 < single_free_dispatches / 3
     if sampling["temperature"] <= 0 or sampling["top_p"] >= 1:  # their later tokens were checked, some dropped
-        assert serve.METRICS.grammar_dropped > dropped
+        assert METRICS.grammar_dropped > dropped
         assert any(voided) == ahead  # dispatched ahead, some drops voided the chunk in flight
 
 
@@ -368,25 +377,25 @@ def test_parallel_tool_calls_allows_an_array_of_calls_and_false_allows_one(tools
     if single["message"].get("content"):
         assert not single["message"]["content"].startswith("[")
     # What each form admits, token by token (the random model need not write two calls by itself).
-    engine_tokens = serve.grammar_tokenizer(*grammar_vocabulary(trained_model))
+    engine_tokens = grammar_tokenizer(*grammar_vocabulary(trained_model))
     import llguidance
     two = '[{"name": "get_time", "arguments": {"zone": "UTC"}}, {"name": "get_time", "arguments": {"zone": "CET"}}]'
     for parallel, auto, text, whole in [(True, True, two, True), (False, True, two, False), (True, False, two, True),
                                         (True, True, "It is sunny.", True), (True, False, "It is sunny.", False)]:
-        grammar = serve.tools_grammar(serve.ToolRequest([WEATHER["function"], TIME["function"]], auto, parallel))
+        grammar = tools_grammar(ToolRequest([WEATHER["function"], TIME["function"]], auto, parallel))
         matcher = llguidance.LLMatcher(engine_tokens, grammar, log_level=0)
         ids = grammar_vocabulary.encode(text)
         assert (matcher.validate_tokens(ids) == len(ids)) == whole, (parallel, auto, text)
-    assert [(n, json.loads(a)) for n, a in serve.tool_calls_in(two)] == [("get_time", {"zone": "UTC"}),
-                                                                         ("get_time", {"zone": "CET"})]
+    assert [(n, json.loads(a)) for n, a in tool_calls_in(two)] == [("get_time", {"zone": "UTC"}),
+                                                                   ("get_time", {"zone": "CET"})]
 
 
 def grammar_vocabulary(model_dir):
     """(tokenizer, vocabulary size, stop ids) of a model dir, as the server builds its grammar table from."""
     if not hasattr(grammar_vocabulary, "cached"):
-        model, _, _ = serve.load_model(serve.parse_args(["--model", str(model_dir)]))
+        model, _, _ = load_model(serve.parse_args(["--model", str(model_dir)]))
         tokenizer = model.preprocessor.tokenizer
-        grammar_vocabulary.encode = serve.make_text_codec(tokenizer)[0]
+        grammar_vocabulary.encode = make_text_codec(tokenizer)[0]
         grammar_vocabulary.cached = (tokenizer, model.backbone.vocabulary_size, {tokenizer.end_token_id})
     return grammar_vocabulary.cached
 

@@ -9,6 +9,8 @@ import pytest
 
 import train_local
 from conftest import ACCELERATOR, REPO, SAMPLE_DATA, script_env
+from gemma_lora.model import explain_load_error
+from gemma_lora.tokens import make_text_codec
 
 RECORD_KEYS = {"args", "prompt_template", "history", "eval_loss_before", "eval_loss_after", "tokens_per_second",
                "nonpad_tokens_per_second", "seconds", "truncated_examples"}
@@ -53,7 +55,7 @@ def test_saved_model_reloads_as_plain_causal_lm_and_scores_like_the_trained_one(
     assert not getattr(model.backbone, "_lora_enabled_layers", None)
     args = train_local.parse_args(["--data", str(SAMPLE_DATA), "--limit", "40", "--eval-examples", "12"])
     _, held_out = train_local.load_data(args)
-    encode, _ = train_local.make_text_codec(model.preprocessor.tokenizer)
+    encode, _ = make_text_codec(model.preprocessor.tokenizer)
     examples, _, _ = train_local.tokenize(held_out, encode, model.preprocessor.tokenizer, 512, "response")
     import keras
     trainer = train_local.Trainer(model, keras.optimizers.AdamW(), None)
@@ -84,7 +86,7 @@ def trainer_setup(tiny_model):
     model.backbone.enable_lora(rank=4)
     args = train_local.parse_args(["--data", str(SAMPLE_DATA), "--limit", "24", "--eval-examples", "0"])
     pairs, _ = train_local.load_data(args)
-    encode, _ = train_local.make_text_codec(model.preprocessor.tokenizer)
+    encode, _ = make_text_codec(model.preprocessor.tokenizer)
     examples, _, _ = train_local.tokenize(pairs, encode, model.preprocessor.tokenizer, 512, "all")
     trainer = train_local.Trainer(model, keras.optimizers.AdamW(5e-5), None)
     trainer.warm_up([128, 256, 512], 4, 0, with_eval=True)
@@ -210,13 +212,13 @@ def test_no_network_and_missing_model_are_clear_errors(tmp_path, tiny_model, run
 
 
 def test_load_errors_explain_what_to_do():
-    gated = train_local.explain_load_error("hf://google/gemma-2b", OSError("401 Client Error: Unauthorized"))
+    gated = explain_load_error("hf://google/gemma-2b", OSError("401 Client Error: Unauthorized"))
     assert "HF_TOKEN" in gated and "license" in gated
-    kaggle = train_local.explain_load_error("kaggle://google/gemma/keras/gemma_2b_en",
-                                            RuntimeError("403 Forbidden: you must accept the license"))
+    kaggle = explain_load_error("kaggle://google/gemma/keras/gemma_2b_en",
+                                RuntimeError("403 Forbidden: you must accept the license"))
     assert "KAGGLE_KEY" in kaggle
-    offline = train_local.explain_load_error("hf://google/gemma-2b",
-                                             OSError("Max retries exceeded with url (Name or service not known)"))
+    offline = explain_load_error("hf://google/gemma-2b",
+                                 OSError("Max retries exceeded with url (Name or service not known)"))
     assert "--model path/to/model" in offline
     assert "--batch-size" in train_local.explain_oom(train_local.parse_args([]))
 

@@ -15,16 +15,25 @@ import pytest
 
 import serve
 from conftest import http
+from gemma_lora.engine.compilation import ProgramStore, count_compilation, on_compilation
+from gemma_lora.engine.engine import Engine
+from gemma_lora.engine.programs import cache_shapes, prompt_cache
+from gemma_lora.engine.warmup import WarmUp
+from gemma_lora.engine.worker import Worker
+from gemma_lora.interface import Generation, SAMPLER_DEFAULTS
+from gemma_lora.memory import MemoryLog, locked_bytes
+from gemma_lora.metrics import METRICS
+from gemma_lora.model import load_model
 
-GREEDY = serve.SAMPLER_DEFAULTS["greedy"]
+GREEDY = SAMPLER_DEFAULTS["greedy"]
 SEEDED = {"temperature": 0.9, "top_k": 40, "top_p": 0.9}
 SYSTEM = list(range(500, 532))  # two full prefix blocks of 16
 
 
 @pytest.fixture(scope="module")
 def model(tiny_model):
-    serve.on_compilation(serve.count_compilation)  # METRICS.request_compilations: those of no warm-up thread
-    return serve.load_model(serve.parse_args(["--model", str(tiny_model)]))[0]
+    on_compilation(count_compilation)  # METRICS.request_compilations: those of no warm-up thread
+    return load_model(serve.parse_args(["--model", str(tiny_model)]))[0]
 
 
 @pytest.fixture(scope="module")
@@ -34,10 +43,10 @@ def warmed(model, tmp_path_factory):
     this CPU and about 25 s on a TPU v5e (issue #49: the device selection in one run). What the warm-up compiled, by
     thread, is kept from before any test's requests."""
     compiled = []
-    serve.on_compilation(lambda: compiled.append(threading.current_thread().name))
+    on_compilation(lambda: compiled.append(threading.current_thread().name))
     engine = make_engine(model)
     root = tmp_path_factory.mktemp("program-store")
-    warm_up = serve.WarmUp(engine, threads=2, store=serve.ProgramStore(root, engine))
+    warm_up = WarmUp(engine, threads=2, store=ProgramStore(root, engine))
     warm_up.run()
     threads = list(compiled)
     want = generations(engine)
@@ -46,7 +55,7 @@ def warmed(model, tmp_path_factory):
 
 
 def make_engine(model):
-    engine = serve.Engine(model, [1, 2, 4], [64, 128], None, prefix_blocks=32, block_tokens=16, dispatch_ahead=True)
+    engine = Engine(model, [1, 2, 4], [64, 128], None, prefix_blocks=32, block_tokens=16, dispatch_ahead=True)
     engine.long_chunk_seconds = 0
     return engine
 
@@ -57,8 +66,8 @@ def generations(engine, offset=0):
     specs = [(GREEDY, 0, SYSTEM + [600, 601], 12), (SEEDED, 5, list(range(640, 660)), 9),
              (GREEDY, 0, SYSTEM + [602, 603, 604], 7), (SEEDED, 8, list(range(700, 706)), 11),
              (GREEDY, 0, list(range(720, 800)), 6), (GREEDY, 0, [810, 811], 10)]
-    return [serve.Generation([engine.bos] + [t + offset for t in ids], max_tokens, sampling, seed, [], None,
-                             logprobs=2) for sampling, seed, ids, max_tokens in specs]
+    return [Generation([engine.bos] + [t + offset for t in ids], max_tokens, sampling, seed, [], None,
+                       logprobs=2) for sampling, seed, ids, max_tokens in specs]
 
 
 def answers(gens):
@@ -67,7 +76,7 @@ def answers(gens):
 
 def run_worker(engine, gens, waves=1):
     """Serves `gens` through a Worker, in `waves` submissions as the previous finish; returns the worker."""
-    worker = serve.Worker(engine, engine.batch_buckets[-1], 0.0, 100)
+    worker = Worker(engine, engine.batch_buckets[-1], 0.0, 100)
     worker.start()
     for wave in np.array_split(np.arange(len(gens)), waves):
         worker.submit([gens[i] for i in wave])
@@ -80,7 +89,7 @@ def run_worker(engine, gens, waves=1):
 def test_requests_are_served_by_compiled_programs_while_the_rest_compiles(model, warmed):
     want = warmed.want
     engine = make_engine(model)
-    warm_up = serve.WarmUp(engine, threads=2)
+    warm_up = WarmUp(engine, threads=2)
     warm_up.first()
     assert engine.ready_batches == [1] and engine.prefix is None and not engine.grouping and not engine.chunked
     assert warm_up.pending == ["chunks batch 1", "batch 2", "batch 4", "prefix cache", "grouped prefills"]
@@ -88,7 +97,7 @@ def test_requests_are_served_by_compiled_programs_while_the_rest_compiles(model,
     # in the background.
     assert not any("chunk 4" in name or "long" in name for name, _, _ in warm_up.compiled)
     assert engine.batch_for(4) == 1
-    requests_compiled = serve.METRICS.request_compilations
+    requests_compiled = METRICS.request_compilations
 
     background = threading.Thread(target=warm_up.rest, name="warm-up-rest")
     background.start()
@@ -102,7 +111,7 @@ def test_requests_are_served_by_compiled_programs_while_the_rest_compiles(model,
     for g in late:
         assert g.done.wait(120)
 
-    assert serve.METRICS.request_compilations == requests_compiled  # nothing compiled on a request's behalf
+    assert METRICS.request_compilations == requests_compiled  # nothing compiled on a request's behalf
     assert late[2].cached_tokens == 32
     for got in (early, late):  # the same answers as after a full warm-up, in whatever batch
         assert answers(got) == answers(want)
@@ -135,13 +144,13 @@ def test_a_parallel_warm_up_compiles_what_the_serial_one_runs(model, warmed):
     import jax
     if jax.default_backend() == "cpu":
         assert engine.group_blocks == {16: [2, 4], 32: [4], 64: [4]}
-    chunks_by_long = serve.Engine(model, [1, 2], [64], None, dispatch_ahead=False)
+    chunks_by_long = Engine(model, [1, 2], [64], None, dispatch_ahead=False)
     assert chunks_by_long.long_makes_chunks(1) == (chunks_by_long.programs[1].decode_long is not None)
     assert not chunks_by_long.long_makes_chunks(2) and not engine.long_makes_chunks(1)  # engine dispatches ahead
     assert all(name.startswith("warm-up") for name in compiled[:len(warm_up.compiled)])
     assert len([n for n in compiled if not n.startswith("warm-up")]) <= 1  # at most the slot write
     compiled = []
-    serve.on_compilation(lambda: compiled.append(threading.current_thread().name))
+    on_compilation(lambda: compiled.append(threading.current_thread().name))
     engine.generate(generations(engine, offset=3), 4)
     engine.generate(generations(engine, offset=3), 1)
     assert compiled == []
@@ -150,11 +159,11 @@ def test_a_parallel_warm_up_compiles_what_the_serial_one_runs(model, warmed):
 def test_long_decodes_are_built_on_a_cpu_only_and_in_the_smallest_batch(model, monkeypatch):
     import jax
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    cpu = serve.Engine(model, [1, 2], [64], None)
+    cpu = Engine(model, [1, 2], [64], None)
     assert cpu.programs[1].decode_long is not None and cpu.programs[2].decode_long is None
     # Off a CPU, dispatching ahead hides what they save (a TPU v5e: 143 tok/s without, 140 with).
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    accelerator = serve.Engine(model, [1, 2], [64], None)
+    accelerator = Engine(model, [1, 2], [64], None)
     assert accelerator.dispatch_ahead and all(p.decode_long is None for p in accelerator.programs.values())
     assert accelerator.programs[1].decode is not None
 
@@ -162,7 +171,7 @@ def test_long_decodes_are_built_on_a_cpu_only_and_in_the_smallest_batch(model, m
 @pytest.mark.device
 def test_a_restart_loads_every_program_from_the_store_and_answers_the_same(model, warmed, tmp_path):
     compiled = []
-    serve.on_compilation(lambda: compiled.append(threading.current_thread().name))
+    on_compilation(lambda: compiled.append(threading.current_thread().name))
     build, want = warmed.warm_up, warmed.want
     assert build.build.store.dir.parent == warmed.store
     stored = sorted(f.name for f in build.build.store.dir.iterdir())
@@ -175,7 +184,7 @@ def test_a_restart_loads_every_program_from_the_store_and_answers_the_same(model
     (folder / "decode-batch-2-window-64-chunk-1.xla").write_bytes(b"not a program")
     engine = make_engine(model)
     before = len(compiled)
-    warm_up = serve.WarmUp(engine, threads=2, store=serve.ProgramStore(root, engine))
+    warm_up = WarmUp(engine, threads=2, store=ProgramStore(root, engine))
     warm_up.run()
     assert [name for name, _, _ in warm_up.compiled] == ["decode batch 2 window 64 chunk 1"]
     assert len(warm_up.build.loaded) == len(stored) - 1 and len(compiled) - before == 1
@@ -190,17 +199,17 @@ def test_a_restart_loads_every_program_from_the_store_and_answers_the_same(model
                                    atol=1e-5)
 
     # Another shape of engine (batch sizes, prefix cache) is another folder: nothing stale is loaded.
-    other = serve.Engine(model, [1, 2], [64, 128], None, dispatch_ahead=True)
-    assert serve.ProgramStore(root, other).dir != folder
+    other = Engine(model, [1, 2], [64, 128], None, dispatch_ahead=True)
+    assert ProgramStore(root, other).dir != folder
 
 
 def test_cache_shapes_are_derived_from_one_traced_template(model):
     import jax
     import jax.numpy as jnp
     for batch, length in [(1, 8), (3, 200), (8, 4096)]:
-        traced = jax.eval_shape(functools.partial(serve.prompt_cache, model), jax.ShapeDtypeStruct((batch, length),
-                                                                                                    jnp.int32))
-        derived = serve.cache_shapes(model, batch, length)
+        traced = jax.eval_shape(functools.partial(prompt_cache, model), jax.ShapeDtypeStruct((batch, length),
+                                                                                             jnp.int32))
+        derived = cache_shapes(model, batch, length)
         assert jax.tree.structure(derived) == jax.tree.structure(traced)
         assert [(d.shape, d.dtype) for d in jax.tree.leaves(derived)] == [
             (t.shape, t.dtype) for t in jax.tree.leaves(traced)]
@@ -289,16 +298,16 @@ def test_the_memory_table_says_apart_what_is_locked_in_host_memory():
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     size, area = 4 << 20, mmap.mmap(-1, 4 << 20)
     address = ctypes.c_void_p(ctypes.addressof(ctypes.c_char.from_buffer(area)))
-    log, before = serve.MemoryLog(), serve.locked_bytes()
+    log, before = MemoryLog(), locked_bytes()
     log.stage("imports")
     assert (before == 0) == (len(log.lines()) == 2)  # the third line only when something is locked
     assert libc.mlock(address, ctypes.c_size_t(size)) == 0, os.strerror(ctypes.get_errno())
     try:
-        assert serve.locked_bytes() - before == size
+        assert locked_bytes() - before == size
         assert log.lines()[2].startswith(f"memory: of the RSS, {(before + size) / 2**20:,.0f} MiB locked or pinned")
     finally:
         libc.munlock(address, ctypes.c_size_t(size))
-    assert serve.locked_bytes() == before
+    assert locked_bytes() == before
 
 
 @pytest.mark.device
@@ -308,7 +317,7 @@ def test_the_warm_ups_programs_serve_on_once_its_tracing_is_dropped(model, warme
     # does is what this test asserts.
     engine, warm_up, want = warmed.engine, warmed.warm_up, warmed.want
     compiled = []
-    serve.on_compilation(lambda: compiled.append(threading.current_thread().name))
+    on_compilation(lambda: compiled.append(threading.current_thread().name))
     warm_up.build.drop_tracing()
     # Every compiled program is now held by its Program, as one loaded from the program store is.
     assert warm_up.build.lowered == {} and warm_up.build.executables == []
