@@ -390,6 +390,87 @@ def test_parallel_tool_calls_allows_an_array_of_calls_and_false_allows_one(tools
                                                                    ("get_time", {"zone": "CET"})]
 
 
+def test_with_tool_choice_auto_an_answer_cannot_start_with_a_space_or_newline_before_a_call():
+    """Gemma's vocabulary has pieces such as "▁{" and "\n{": the plain-text branch of tool_choice "auto" must not
+    let them open an answer, or a call written after them comes back as content and is never run (issue #63)."""
+    import io
+    import types
+    import llguidance
+    import sentencepiece as spm
+    model = io.BytesIO()
+    lines = ["The weather is sunny in Paris today.", '{"name": "get_weather", "arguments": {"city": "Oslo"}}'] * 20
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=model, model_type="bpe", vocab_size=400, hard_vocab_limit=False,
+        pad_id=0, eos_id=1, bos_id=2, unk_id=3, byte_fallback=True, add_dummy_prefix=False,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, allow_whitespace_only_pieces=True,
+        user_defined_symbols=["\n", "\u2581{", "\n{", "{", "\u2581"], minloglevel=2, num_threads=1)
+    sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    table = grammar_tokenizer(types.SimpleNamespace(proto=model.getvalue(), start_token_id=2), sp.get_piece_size(), {1})
+    for parallel in (True, False):
+        matcher = llguidance.LLMatcher(table, tools_grammar(ToolRequest([WEATHER["function"]], True, parallel)),
+                                       log_level=0)
+        first = {piece: matcher.validate_tokens([sp.piece_to_id(piece)]) for piece in
+                 ("\u2581{", "\n{", "\u2581", "\n", "{", "The")}
+        assert first == {"\u2581{": 0, "\n{": 0, "\u2581": 0, "\n": 0, "{": 1, "The": 1}, (parallel, first)
+
+
+def assembled(chunks):
+    """(message, finish_reason, log-probability entries) of a streamed chat answer, as the openai client's stream
+    helper adds it up."""
+    content, calls, reason, entries = [], {}, None, []
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            delta = choice["delta"]
+            content.append(delta.get("content") or "")
+            for part in delta.get("tool_calls") or []:
+                call = calls.setdefault(part["index"], {"name": None, "arguments": ""})
+                call["name"] = part["function"].get("name") or call["name"]
+                call["arguments"] += part["function"].get("arguments") or ""
+            entries += (choice.get("logprobs") or {}).get("content") or []
+            reason = choice["finish_reason"] or reason
+    return "".join(content) or None, [calls[i] for i in sorted(calls)], reason, entries
+
+
+def test_a_tool_call_streamed_or_not_cut_or_whole_is_the_same_call_with_the_same_logprobs(tools_server,
+                                                                                              trained_model):
+    """The same request streamed and not: the same content or calls (a call cut by max_tokens too: its name and
+    the arguments written so far, or the text when its name was not whole), the same finish reason, and a
+    log-probability for every token in both (issue #63: a piece that made no delta dropped its entries)."""
+    bias = dict.fromkeys(opening(trained_model, "{"), 100)
+    for max_tokens in (3, 6, 14, 200):
+        fields = {"logprobs": True, "top_logprobs": 1, "max_tokens": max_tokens}
+        plain = auto_chat(tools_server, bias, **fields)
+        content, calls, reason, entries = assembled(auto_chat(tools_server, bias, stream=True, **fields))
+        message = plain["message"]
+        assert (content, reason) == (message.get("content"), plain["finish_reason"]), (max_tokens, plain)
+        assert calls == [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                         for c in message.get("tool_calls") or []], (max_tokens, plain)
+        assert len(entries) == len(plain["logprobs"]["content"]) == (max_tokens if reason == "length" else
+                                                                     len(entries)), max_tokens
+        assert [(e["token"], e["logprob"]) for e in entries] == [(e["token"], e["logprob"])
+                                                                 for e in plain["logprobs"]["content"]]
+        if max_tokens == 200:
+            assert reason == "tool_calls" and calls
+        elif reason == "length" and calls:  # cut inside the arguments: as far as they were written
+            assert not calls[-1]["arguments"] or not tool_calls_in(calls[-1]["arguments"])
+
+
+def test_tool_options_a_client_leaves_unset_or_gets_wrong_are_answered_as_such(tools_server):
+    """"parallel_tool_calls": null is the default, as "tool_choice": null is; a tool call id that is not a string
+    is a 400 that says so, not a 500 (issue #63)."""
+    answer = chat(tools_server, {"tools": [WEATHER], "parallel_tool_calls": None, "tool_choice": None},
+                  messages=[{"role": "user", "content": "Weather?"}], max_tokens=4)
+    assert answer["finish_reason"] in ("stop", "length", "tool_calls")
+    for bad in (["call_1"], {"id": "call_1"}, 7):
+        messages = [{"role": "user", "content": "Weather?"},
+                    {"role": "assistant", "tool_calls": [{"id": bad, "type": "function", "function": {
+                        "name": "get_weather", "arguments": "{}"}}]},
+                    {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]
+        status, reply, _ = http("POST", tools_server.url + "/v1/chat/completions",
+                                {"messages": messages, "tools": [WEATHER], "max_tokens": 4})
+        assert status == 400 and "'id' must be a string" in reply["error"]["message"], (bad, reply)
+
+
 def grammar_vocabulary(model_dir):
     """(tokenizer, vocabulary size, stop ids) of a model dir, as the server builds its grammar table from."""
     if not hasattr(grammar_vocabulary, "cached"):

@@ -15,7 +15,7 @@ from gemma_lora.frontend.protocol import (adapter_slots, chat_logprobs, chat_pro
 from gemma_lora.frontend.server import ClientGone, Reply, RequestError, ready_engine
 from gemma_lora.frontend.streams import STREAMS, stream_events
 from gemma_lora.frontend.structured import (ToolCallStream, compiled_grammar, requested_grammar, requested_tools,
-                                            tool_call_message, tool_calls_in, tools_grammar)
+                                            tool_call_message, tools_grammar)
 from gemma_lora.log import log
 from gemma_lora.metrics import METRICS
 
@@ -183,6 +183,7 @@ def chat_completions(server, req):
     if stream:
         base["object"] = "chat.completion.chunk"
         events, calls = STREAMS.events(), collections.defaultdict(ToolCallStream)
+        held = collections.defaultdict(list)  # log-probabilities of tokens whose text no delta has carried yet
 
         def chunk(index, delta, reason=None, entries=None):
             content = {"content": chat_logprobs(engine, entries)} if keep is not None and entries else None
@@ -190,11 +191,12 @@ def chat_completions(server, req):
 
         def render(index, text, reason, entries):
             if tools is not None:  # an answer as content, calls as OpenAI streams them: header, then arguments
-                deltas = calls[index].feed(text)
-                pieces = [chunk(index, delta, entries=entries if i == 0 else None) for i, delta in enumerate(deltas)]
+                stream = calls[index]
+                held[index] += entries or []
+                deltas = stream.feed(text) + (stream.finish() if reason else [])
+                pieces = [chunk(index, delta, entries=held.pop(index, None)) for delta in deltas]
                 if reason:
-                    made = tool_calls_in(calls[index].text) is not None
-                    pieces.append(chunk(index, {}, "tool_calls" if made else reason))
+                    pieces.append(chunk(index, {}, stream.finish_reason(reason), entries=held.pop(index, None)))
                 return pieces
             pieces = [chunk(index, {"content": text}, entries=entries)] if text or entries else []
             return pieces + ([chunk(index, {}, reason)] if reason else [])
@@ -223,7 +225,11 @@ def check_tool_results(messages):
         if not isinstance(message, dict):
             return  # parse_messages says what is wrong with it
         if message.get("role") == "assistant" and isinstance(message.get("tool_calls"), list):
-            ids.update(c.get("id") for c in message["tool_calls"] if isinstance(c, dict))
+            for j, call in enumerate(message["tool_calls"]):
+                if isinstance(call, dict) and call.get("id") is not None:
+                    if not isinstance(call["id"], str):
+                        raise RequestError(400, f"messages[{i}].tool_calls[{j}]: 'id' must be a string")
+                    ids.add(call["id"])
         elif message.get("role") == "tool":
             call = message.get("tool_call_id")
             if not isinstance(call, str) or not call:

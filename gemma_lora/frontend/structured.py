@@ -97,7 +97,8 @@ def compiled_grammar(server, grammar):
 def requested_tools(body):
     """What a request's tools ask for (a ToolRequest: the functions it may call, whether it may answer instead,
     whether several calls may come), or None: no tools, or tool_choice "none"."""
-    tools, choice, parallel = body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls", True)
+    tools, choice, parallel = body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")
+    parallel = True if parallel is None else parallel  # a client that sends unset options as null means the default
     if not isinstance(parallel, bool):
         raise RequestError(400, "'parallel_tool_calls' must be a boolean")
     if tools is None or tools == []:
@@ -140,7 +141,7 @@ def tools_grammar(request):
         return schema_grammar(schema, "tools")
     schema = dict(schema, **{"x-guidance": JSON_OPTIONS})
     return llguidance.LLMatcher.grammar_from_lark(
-        f"start: calls | text\ncalls: %json {json.dumps(schema, ensure_ascii=False)}\ntext: /[^\\[{{][\\s\\S]*/\n")
+        f"start: calls | text\ncalls: %json {json.dumps(schema, ensure_ascii=False)}\ntext: /[^\\[{{\\s][\\s\\S]*/\n")
 
 
 def tool_calls_in(text):
@@ -161,14 +162,22 @@ def call_id():
 
 
 def tool_call_message(text, finish_reason):
-    """(assistant message, finish_reason) for generated text: tool_calls and "tool_calls" when it holds complete
-    calls; otherwise (an answer, or a call cut short by max_tokens) the text as content, with its own reason."""
-    calls = tool_calls_in(text)
-    if calls is None:
-        return {"role": "assistant", "content": text}, finish_reason
-    return {"role": "assistant", "content": None, "tool_calls": [
-        {"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
-        for name, arguments in calls]}, "tool_calls"
+    """(assistant message, finish_reason) for generated text, as its stream adds up to (ToolCallStream): an
+    answer as content; calls as tool_calls and "tool_calls" when the text holds complete calls, and when it was
+    cut short (by max_tokens) the calls begun, the last one's arguments as far as they were written, with the
+    text's own reason; a call cut before its name was whole, as content."""
+    stream = ToolCallStream()
+    deltas = stream.feed(text) + stream.finish()
+    calls = {}
+    for delta in deltas:
+        for part in delta.get("tool_calls", ()):
+            call = calls.setdefault(part["index"], {"id": part.get("id"), "type": "function",
+                                                    "function": {"name": part["function"].get("name"), "arguments": ""}})
+            call["function"]["arguments"] += part["function"].get("arguments", "")
+    if not calls:
+        return {"role": "assistant", "content": "".join(d.get("content", "") for d in deltas)}, finish_reason
+    return {"role": "assistant", "content": None, "tool_calls": [calls[i] for i in sorted(calls)]}, \
+        stream.finish_reason(finish_reason)
 
 
 class ToolCallStream:
@@ -195,6 +204,17 @@ class ToolCallStream:
             deltas += self.step(self.text[self.scanned], self.scanned)
             self.scanned += 1
         return deltas + self.fragment(len(self.text))
+
+    def finish(self):
+        """The deltas that end the turn: a call cut before its name was whole (by max_tokens) has sent nothing,
+        and goes as the content it is."""
+        if self.mode == "calls" and not any(call["arguments"] is not None for call in self.calls):
+            return [{"content": self.text}]
+        return []
+
+    def finish_reason(self, reason):
+        """"tool_calls" when the text holds complete calls, else the generation's own reason."""
+        return "tool_calls" if tool_calls_in(self.text) is not None else reason
 
     def step(self, char, at):
         if self.in_string:
