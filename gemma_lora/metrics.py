@@ -213,19 +213,24 @@ class PartClock:
         # (which the HTTP threads hold while they render and write what the worker hands them).
         self.cpu = dict.fromkeys(WORKER_PARTS, 0.0)
         self.current, self.since, self.cpu_since, self.owner = "other", None, None, None
+        # A scrape reads a part's seconds, the current part and since when as one: read while the worker
+        # switches, a part's seconds could come out lower than the scrape before.
+        self.lock = threading.Lock()
 
     def start(self, part="other"):
-        self.owner, self.current = threading.get_ident(), part
-        self.since, self.cpu_since = time.perf_counter(), time.thread_time()
+        with self.lock:
+            self.owner, self.current = threading.get_ident(), part
+            self.since, self.cpu_since = time.perf_counter(), time.thread_time()
 
     def switch(self, part):
         """Enters `part`; returns the part it leaves (for the caller to go back to)."""
         if threading.get_ident() != self.owner:
             return part
-        now, cpu = time.perf_counter(), time.thread_time()
-        self.seconds[self.current] += now - self.since
-        self.cpu[self.current] += cpu - self.cpu_since
-        previous, self.current, self.since, self.cpu_since = self.current, part, now, cpu
+        with self.lock:
+            now, cpu = time.perf_counter(), time.thread_time()
+            self.seconds[self.current] += now - self.since
+            self.cpu[self.current] += cpu - self.cpu_since
+            previous, self.current, self.since, self.cpu_since = self.current, part, now, cpu
         return previous
 
     @contextlib.contextmanager
@@ -237,10 +242,15 @@ class PartClock:
             self.switch(previous)
 
     def totals(self):
-        seconds, current, since = dict(self.seconds), self.current, self.since
-        if since is not None:
-            seconds[current] += time.perf_counter() - since
+        with self.lock:
+            seconds, current, since = dict(self.seconds), self.current, self.since
+            if since is not None:
+                seconds[current] += time.perf_counter() - since
         return seconds
+
+    def cpu_totals(self):
+        with self.lock:
+            return dict(self.cpu)
 
     def render(self):
         return ["# HELP serve_worker_seconds_total The model worker's wall time by what it did (" + "; ".join(
@@ -250,7 +260,7 @@ class PartClock:
             "# HELP serve_worker_cpu_seconds_total The model worker thread's CPU time by part (as above), up to its "
             "last change of part: the rest of a part's wall time it waited, on the device or for the GIL.",
             "# TYPE serve_worker_cpu_seconds_total counter"] + [
-            f'serve_worker_cpu_seconds_total{{part="{part}"}} {seconds:.6f}' for part, seconds in dict(self.cpu).items()]
+            f'serve_worker_cpu_seconds_total{{part="{part}"}} {seconds:.6f}' for part, seconds in self.cpu_totals().items()]
 
 
 class DeviceTimeline:
@@ -340,9 +350,16 @@ class ThreadCPU:
     def __init__(self):
         self.lock = threading.Lock()
         self.http = set()  # native ids of the HTTP threads running: each adds its whole time as it ends
+        # HTTP threads that have ended their connection (and added their time) but not yet exited: not counted
+        # again as another live thread, nor, once gone, as one that ended.
+        self.retired = set()
         # Other threads' time as last read, and of those that ended, so that their time stays theirs (up to
         # their last reading): a counter that fell whenever the warm-up's threads ended would say nothing.
         self.seen, self.ended = {}, dict.fromkeys(("worker", "http", "python_other"), 0.0)
+        # What render() last said per role: the threads' times are read in whole clock ticks and the native
+        # rest is the process's time less them, so a reading can come out a tick lower than the one before.
+        # Prometheus takes any fall as a counter's reset (a spike in rate()): a counter says no less than before.
+        self.reported = dict.fromkeys(self.ROLES, 0.0)
         self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
     @contextlib.contextmanager
@@ -355,6 +372,7 @@ class ThreadCPU:
         finally:
             with self.lock:
                 self.http.discard(tid)
+                self.retired.add(tid)
                 self.ended["http"] += time.thread_time()
 
     def of_thread(self, tid):
@@ -374,10 +392,14 @@ class ThreadCPU:
         with self.lock:  # an HTTP thread that ends meanwhile waits, then counts once, as ended
             process = time.process_time()
             live = {}
-            for thread in threading.enumerate():
+            threads = threading.enumerate()
+            self.retired &= {thread.native_id for thread in threads}  # gone: an id the OS may give again
+            for thread in threads:
                 tid = thread.native_id
                 if tid in self.http:
                     seconds["http"] += self.of_thread(tid)
+                    continue
+                if tid in self.retired:
                     continue
                 role = {"model-worker": "worker", "stream-writer": "http"}.get(thread.name, "python_other")
                 live[thread] = role, self.of_thread(tid)
@@ -389,7 +411,9 @@ class ThreadCPU:
                 seconds[role] += last
             for role, ended in self.ended.items():
                 seconds[role] += ended
-        seconds["native"] = max(0.0, process - sum(seconds.values()))
+            seconds["native"] = max(0.0, process - sum(seconds.values()))
+            for role, value in seconds.items():
+                seconds[role] = self.reported[role] = max(value, self.reported[role])
         return seconds
 
     def render(self):

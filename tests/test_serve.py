@@ -462,6 +462,102 @@ def test_the_process_s_cpu_time_is_told_by_thread_so_the_gil_s_load_shows(server
     assert second["http"] > first["http"] and second["worker"] > first["worker"], (first, second)
 
 
+def test_an_http_thread_that_outlives_its_connection_is_counted_once_and_no_role_goes_back(monkeypatch):
+    """A handler thread keeps running a moment after its connection's time was kept as http's: it is not counted
+    again as another thread, live or once gone; and a reading whose native rest comes out lower (the threads
+    are read in whole clock ticks) reports what the last one did (issue #63: Prometheus takes a fall as a reset)."""
+    threads = ThreadCPU()
+    if threads.totals() is None:
+        pytest.skip("no /proc: thread CPU times are Linux-only")
+    burnt, done = threading.Event(), threading.Event()
+
+    def handler():
+        with threads.http_thread():
+            end = time.thread_time() + 0.3
+            while time.thread_time() < end:
+                pass
+        burnt.set()
+        done.wait()  # still alive, its connection over
+    before = threads.totals()
+    thread = threading.Thread(target=handler)
+    thread.start()
+    burnt.wait()
+    time.sleep(0.05)
+    alive = threads.totals()
+    done.set()
+    thread.join()
+    gone = threads.totals()
+    for reading in (alive, gone):
+        assert 0.25 <= reading["http"] - before["http"] < 0.45, (before, reading)
+        assert reading["python_other"] - before["python_other"] < 0.1, (before, reading)
+    process = time.process_time()
+    monkeypatch.setattr(time, "process_time", lambda: process - 1.0)  # a reading a second short
+    assert threads.totals()["native"] >= gone["native"]
+
+
+def test_the_worker_clock_read_while_it_switches_parts_never_goes_back():
+    """A scrape reads the worker's parts while the worker switches between them: each part's seconds never come
+    out lower than the scrape before (issue #63: read unlocked, the part being left could)."""
+    from gemma_lora.metrics import PartClock
+    clock, stop = PartClock(), threading.Event()
+
+    def worker():
+        clock.start()
+        while not stop.is_set():
+            for part in ("admit", "dispatch", "read", "settle"):
+                clock.switch(part)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch between any two bytecodes: the race, if any, shows
+    thread = threading.Thread(target=worker)
+    thread.start()
+    try:
+        last, fell = clock.totals(), []
+        for _ in range(20000):
+            now = clock.totals()
+            fell += [(part, last[part], now[part]) for part in now if now[part] < last[part]]
+            last = now
+    finally:
+        sys.setswitchinterval(interval)
+        stop.set()
+        thread.join()
+    assert not fell, fell[:5]
+
+
+def test_every_counter_the_server_exports_never_decreases_under_load(server):
+    """Streamed and plain requests run while /metrics is read again and again: every counter (and each
+    histogram's buckets, count and sum) is never lower than the reading before (issue #63)."""
+    def scrape():
+        _, text, _ = http("GET", server.url + "/metrics")
+        kinds = {line.split()[2]: line.split()[3] for line in text.splitlines() if line.startswith("# TYPE")}
+        values = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                series, _, value = line.rpartition(" ")
+                name = series.partition("{")[0]
+                base = next((b for b in (name, name.rpartition("_")[0]) if b in kinds), None)
+                if base is not None and kinds[base] in ("counter", "histogram"):
+                    values[series] = float(value)
+        return values
+    stop = threading.Event()
+
+    def load(i):
+        while not stop.is_set():
+            post(server, {"prompt": f"Load {i} " * 10, "max_tokens": 12, "stream": i % 2 == 0}, "/v1/completions")
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        for i in range(4):
+            pool.submit(load, i)
+        try:
+            last, fell = scrape(), []
+            assert any(k.startswith("serve_thread_cpu_seconds_total") for k in last) and len(last) > 50
+            for _ in range(150):
+                now = scrape()
+                fell += [(k, last[k], now[k]) for k in last if k in now and now[k] < last[k]]
+                last = now
+        finally:
+            stop.set()
+    assert not fell, fell[:5]
+
+
 def test_each_generation_s_queue_wait_first_token_and_time_per_token_are_histograms(server):
     # What a vLLM dashboard reads (its time_to_first_token_seconds, time_per_output_token_seconds,
     # num_requests_running), in its buckets: the server's own view of issue #48's time to first token.
