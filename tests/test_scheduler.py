@@ -9,7 +9,7 @@ import pytest
 import serve
 from gemma_lora.adapters import read_adapter
 from gemma_lora.engine.adapter_slots import AdapterSlots
-from gemma_lora.engine.batch import DecodeBatch, resized_batch
+from gemma_lora.engine.batch import DecodeBatch, ResizeFailed, RowSampling, resized_batch
 from gemma_lora.engine.core import auto_batch_size, auto_max_queue, batch_buckets, fitting_batch_size
 from gemma_lora.engine.engine import Engine
 from gemma_lora.engine.worker import Worker
@@ -276,17 +276,25 @@ def test_max_batch_size_auto_fills_the_device_memory_left_and_keeps_8_on_a_cpu(e
 
 
 @pytest.mark.device
-def test_a_failed_growth_fails_only_the_newcomers_and_the_running_rows_go_on(engine, monkeypatch):
-    """The batch cannot be copied into a larger one (the device out of memory, say): the requests that were
-    waiting for those rows fail, the one already decoding ends as it would have alone, and nothing is held."""
+def test_a_failed_growth_leaves_the_newcomers_waiting_for_rows_and_the_running_rows_go_on(engine, monkeypatch):
+    """The batch cannot be copied into a larger one (the device out of memory, say): the one already decoding
+    ends as it would have alone, and the requests that were waiting for the larger batch's rows wait for rows
+    to free, as a full batch's do, and answer then (issue #63: they failed at once); nothing is held. A larger
+    batch is tried again a while later, not at every step."""
     # Long enough to be decoding still when the newcomers come (with 40 tokens it could end first, and a
     # newcomer then took its row without a growth: seen when the suite's programs came from a compile cache).
     alone = Generation([engine.bos] + list(range(860, 870)), 100, GREEDY, 0, [], None)
     engine.generate([alone], 1)
+    expected = [Generation([engine.bos] + list(range(880 + i, 890 + i)), 5, GREEDY, 0, [], None) for i in range(3)]
+    for g in expected:
+        engine.generate([g], 1)
     worker = run_worker(engine)
+    worker.growth_retry_seconds = 600  # however slow the machine, no second try while this test looks
     long = Generation([engine.bos] + list(range(860, 870)), 100, GREEDY, 0, [], None)
+    tried = []
 
     def broken(*args):
+        tried.append(time.time())
         raise RuntimeError("injected: no memory for a larger batch")
     monkeypatch.setitem(engine.programs[1].resize, 2, broken)
     worker.submit([long])
@@ -296,13 +304,54 @@ def test_a_failed_growth_fails_only_the_newcomers_and_the_running_rows_go_on(eng
                  for i in range(3)]
     worker.submit(newcomers)
     assert all(g.done.wait(60) for g in newcomers + [long])
-    assert [g.finish_reason for g in newcomers] == ["error"] * 3
     assert long.finish_reason == "length" and long.ids == alone.ids
+    assert [(g.finish_reason, g.ids) for g in newcomers] == [("length", g.ids) for g in expected]
+    assert len(tried) == 1  # one try while the long one decoded; the next only growth_retry_seconds later
     assert wait_idle(worker) and worker.depth() == 0 and held_nothing(engine)
     monkeypatch.undo()  # the batch grows again once it can
+    worker.grow_after = 0.0
     later = [Generation([engine.bos] + list(range(900 + i, 910 + i)), 5, GREEDY, 0, [], None) for i in range(3)]
     worker.submit(later)
     assert all(g.done.wait(60) and g.finish_reason == "length" for g in later) and wait_idle(worker)
+
+
+@pytest.mark.device
+def test_a_growth_holds_the_old_cache_and_one_new_one_and_a_failed_copy_leaves_the_batch_whole(engine, monkeypatch):
+    """Growing copies the rows' caches into the larger batch's cache and makes no other (issue #63: a fresh
+    zeroed cache was made first, then the copy: the old cache and two new ones at the peak). A copy that fails
+    after the cache's (taking a row's settings, say) leaves the old batch whole: it decodes on to the end."""
+    reference = Generation([engine.bos] + list(range(300, 310)), 12, GREEDY, 0, [], None)
+    engine.generate([reference], 1)
+    made = []
+    for size in (2, 4):
+        programs = engine.programs[size]
+        monkeypatch.setitem(engine.programs, size, programs._replace(
+            new_cache=lambda made_by=programs.new_cache, size=size: made.append(size) or made_by()))
+    g = Generation([engine.bos] + list(range(300, 310)), 12, GREEDY, 0, [], None)
+    batch = DecodeBatch(engine, 1)
+    batch.admit(g)
+    batch.step()
+    batch = resized_batch(batch, 4)
+    assert batch.size == 4 and made == []  # 1 -> 2 -> 4: each step a copy, no new cache besides
+    while batch.active:
+        batch.step()
+    assert g.ids == reference.ids
+    monkeypatch.undo()
+
+    def broken_take(self, other, rows):
+        raise RuntimeError("injected: the copy fails after the cache's")
+    g = Generation([engine.bos] + list(range(300, 310)), 12, GREEDY, 0, [], None)
+    batch = DecodeBatch(engine, 1)
+    batch.admit(g)
+    batch.step()
+    monkeypatch.setattr(RowSampling, "take", broken_take)
+    with pytest.raises(ResizeFailed) as failed:
+        resized_batch(batch, 2)
+    assert failed.value.batch is batch and batch.cache is not None
+    monkeypatch.undo()
+    while batch.active:
+        batch.step()
+    assert g.finish_reason == "length" and g.ids == reference.ids
 
 
 def test_a_submit_racing_the_worker_s_exit_is_refused_not_lost():

@@ -131,10 +131,11 @@ class DecodeBatch:
     a chunk goes to the device before the tokens of the one ahead of it are read, so the host's work
     (reading tokens, stop strings, streaming, admitting) overlaps the device's instead of idling it."""
 
-    def __init__(self, engine, size):
+    def __init__(self, engine, size, cache=None):
+        """`cache`: the batch's KV cache when it has one already (a resized batch's copy); else a new one."""
         self.engine, self.size, self.length = engine, size, engine.max_length
         self.new_cache, self.insert, self.decode, self.decode_long, self.next_tokens, _ = engine.programs[size]
-        self.cache = self.new_cache()
+        self.cache = self.new_cache() if cache is None else cache
         self.rows = [None] * size
         self.positions = np.zeros(size, np.int32)  # where each row's next input token goes
         self.tokens = np.full(size, engine.pad, np.int32)
@@ -406,16 +407,16 @@ def resized_batch(batch, size):
 
 def copied_batch(batch, size, kept):
     """A batch of `size` whose row i is row kept[i] of `batch` (rows past them free); `batch` is left whole if
-    the copy fails."""
-    new = DecodeBatch(batch.engine, size)
+    the copy fails. The copy is the new batch's cache: at its peak the device holds the old cache and one new
+    one, never a fresh zeroed one besides."""
     index = np.array(kept + [0] * (size - len(kept)), np.int32)
-    new.cache = batch.engine.programs[batch.size].resize[size](batch.cache, index)
+    new = DecodeBatch(batch.engine, size, cache=batch.engine.programs[batch.size].resize[size](batch.cache, index))
     TIMELINE.dispatched("resize")
-    batch.cache = None  # that batch is done: its cache's memory may go before the next copy
     for name in ("positions", "tokens", "slots"):
         getattr(new, name)[:len(kept)] = getattr(batch, name)[kept]
     new.sampler.take(batch.sampler, kept)
     new.grammars.take(batch.grammars, kept)
     new.rows[:len(kept)] = [batch.rows[row] for row in kept]
     new.first_token_due, new.taken = batch.first_token_due, batch.taken
+    batch.cache = None  # copied whole: that batch is done, and its cache's memory may go before the next copy
     return new

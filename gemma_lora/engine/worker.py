@@ -11,6 +11,11 @@ from gemma_lora.log import log
 from gemma_lora.metrics import METRICS, TIMELINE, WORKER_CLOCK
 
 
+# After a batch failed to grow (the device out of memory for the larger cache, say), how long its waiting requests
+# take rows as they free before a larger batch is tried again.
+GROWTH_RETRY_SECONDS = 5.0
+
+
 class Worker:
     """One thread owns the model. Requests queue here and take rows of the decode batch at its next
     dispatch. When more wait than it has free rows, the batch grows in place to the size that holds
@@ -26,6 +31,8 @@ class Worker:
         self.stopped = False  # set, under the lock, by a worker that is exiting: submit refuses from then on
         self.busy = 0
         self.batch = None  # the DecodeBatch running, if any
+        self.grow_after = 0.0  # no growth is tried before this time (set when one failed)
+        self.growth_retry_seconds = GROWTH_RETRY_SECONDS
         self.thread = None
         METRICS.queue_depth = self.depth
         METRICS.running = self.running
@@ -118,24 +125,26 @@ class Worker:
         not resize the batch each time."""
         batch = self.batch
         target = min(self.engine.batch_for(batch.size - batch.free_rows + len(self.waiting)), self.max_batch_size)
+        if target > batch.size and time.time() < self.grow_after:  # a growth failed a moment ago
+            return None
         if target > batch.size or target * 4 <= batch.size:
             return target
         return None
 
     def resize(self, target):
         """The batch grown or shrunk to `target` rows. If the copy fails (the device out of memory for a larger
-        cache, say), the rows already running go on in the batch they had, and only the requests that were
-        waiting for the rows it would have made fail (the last to arrive; those its free rows hold are admitted)."""
+        cache, say), the rows already running go on in the batch they had, and the requests waiting for the rows
+        it would have made wait for rows to free, as a full batch's do; it is tried again GROWTH_RETRY_SECONDS
+        later, not at every step."""
         self.batch.settle()  # a chunk that cannot be read is the whole batch's failure, as anywhere else
         try:
             self.batch = resized_batch(self.batch, target)
         except ResizeFailed as e:
             self.batch = e.batch
-            doomed = max(0, len(self.waiting) - self.batch.free_rows)
+            self.grow_after = time.time() + self.growth_retry_seconds
             log(f"error: the batch could not be resized to {target} rows: {type(e.__cause__).__name__}: "
-                f"{e.__cause__}; {doomed} waiting requests failed, the {self.batch.active} running go on")
-            for _ in range(doomed):
-                self.waiting.pop().finish("error")
+                f"{e.__cause__}; the {self.batch.active} running go on, {len(self.waiting)} waiting take rows as "
+                f"they free (a larger batch is tried again in {self.growth_retry_seconds:g}s)")
 
     def decode(self):
         while True:
