@@ -62,8 +62,8 @@ def cases(adapter):
         ("tokenize", "/tokenize", {"prompt": PROMPT}),
     ]
     if adapter:
-        out += [(f"adapter {adapter}, completion", "/v1/completions", {"model": adapter, "prompt": PROMPT, "max_tokens": 24,
-                                                          "logprobs": 2, **greedy}),
+        out += [(f"adapter {adapter}, completion", "/v1/completions", {
+                    "model": adapter, "prompt": PROMPT, "max_tokens": 24, "logprobs": 2, **greedy}),
                 (f"adapter {adapter}, chat", "/v1/chat/completions", {"model": adapter, "messages": CHAT,
                                                                     "max_tokens": 24, "logprobs": True, **greedy})]
     return out
