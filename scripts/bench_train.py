@@ -1,6 +1,7 @@
 """Training throughput: train_local.py against the article's script, side by side, same model and data.
 
     python3 scripts/bench_train.py [--small 40 --large 440]
+    python3 scripts/bench_train.py --compare OLD_TRAIN_LOCAL_PY   # this train_local.py against an earlier one
 
 Both scripts run twice, at --small and --large examples, and throughput is (tokens at large - tokens at
 small) / (time at large - time at small): imports, model loading, compiling and saving cancel out, for
@@ -33,6 +34,8 @@ def parse_args():
     p.add_argument("--small", type=int, default=40)
     p.add_argument("--large", type=int, default=440)
     p.add_argument("--article", default=str(ARTICLE), help="the article's train_local.py")
+    p.add_argument("--compare", default=None, metavar="TRAIN_LOCAL_PY",
+                   help="instead of the article's script, another train_local.py (e.g. `git show REV:train_local.py`)")
     return p.parse_args()
 
 
@@ -85,7 +88,8 @@ def main():
           f"{np.median(lengths):.0f}, {np.mean(np.array(lengths) >= 512) * 100:.1f}% truncated at 512")
 
     results = {}
-    for name in ("article", "ours"):
+    other = "article" if args.compare is None else "other"
+    for name in (other, "ours"):
         timings = {}
         for n in (args.small, args.large):
             cwd = work / f"{name}-{n}"
@@ -95,7 +99,8 @@ def main():
                 cmd = [sys.executable, args.article]
                 run_env = dict(env, ARTICLE_MODEL=str(model), ARTICLE_LIMIT=str(n), ARTICLE_SEQ="512")
             else:
-                cmd = [sys.executable, str(REPO / "train_local.py"), "--model", str(model), "--data", data.name,
+                script = str(REPO / "train_local.py") if name == "ours" else args.compare
+                cmd = [sys.executable, script, "--model", str(model), "--data", data.name,
                        "--limit", str(n), "--eval-examples", "0", "--compile-cache", ""]
                 run_env = env
             timings[n] = run(cmd, cwd, run_env)
@@ -106,8 +111,8 @@ def main():
     print("\n| script | non-pad tokens/s (training) | peak RSS |\n|---|---|---|")
     for name, (tps, rss) in results.items():
         print(f"| {name} | {tps:,.0f} | {rss:.2f} GiB |")
-    print(f"\nspeed-up: {results['ours'][0] / results['article'][0]:.2f}x; "
-          f"memory: {results['ours'][1]:.2f} vs {results['article'][1]:.2f} GiB")
+    print(f"\nspeed-up: {results['ours'][0] / results[other][0]:.2f}x; "
+          f"memory: {results['ours'][1]:.2f} vs {results[other][1]:.2f} GiB")
     shutil.rmtree(work)
 
 

@@ -246,11 +246,14 @@ def test_a_sigterm_during_warm_up_exits_cleanly(trained_model, start_server):
 
 
 def test_health_is_503_once_the_worker_thread_is_gone():
-    class Gone:
+    class Gone:  # the engine's interface, its worker thread gone
         def alive(self):
             return False
+
+        def compiling(self):
+            return []
     state = Server(serve.parse_args(["--model", "x"]))
-    state.state, state.worker = "ready", Gone()
+    state.state, state.core = "ready", Gone()
     reply = health(state, None)
     assert reply.status == 503 and reply.payload == {"status": "failed"}
     with pytest.raises(RequestError) as refused:
