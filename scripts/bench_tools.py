@@ -1,14 +1,16 @@
-"""Agents on the real Gemma 3 270M: tool_choice "auto" before and after a short tool-use fine-tune (issue #51).
+"""Agents on the real Gemma 3 270M: tool_choice "auto" before and after a short tool-use fine-tune (issues #51, #63).
 
     python3 scripts/bench_tools.py [--work DIR] [--epochs 3]
 
 Converts Gemma 3 270M (the GGUF on PyPI, as scripts/demo.sh) unless --work has it, LoRA-tunes it with
-train_local.py on tests/data/tool_sample.jsonl (TRL's tool-calling format), then serves the base with the
-tuned adapter beside it and asks both the same held-out questions with the sample's tools and no
-tool_choice ("auto"): questions that want a tool (cities the sample never names) and questions that do
-not. Reported per model: how often it called a tool when one was wanted, how often it answered in text
-when none was, whether every call named a given tool with arguments valid for its schema, every status,
-and whether a round trip (the call's result sent back as a tool message) is answered.
+train_local.py on tests/data/tool_sample.jsonl (TRL's tool-calling format, many tools spelled many ways), then
+serves the base with the tuned adapter beside it and asks both the same questions with no tool_choice ("auto"),
+in two sets: tools, parameter names and questions the sample never has (lookup_weather(town, scale),
+convert_currency(amount, source, target): does it call by the convention, or only the names it was taught?),
+and the sample's first record's tools (get_weather, get_time) about cities the sample never names. Each set has
+questions that want a tool and questions that want none. Reported per model and set: how often it called the
+right tool with arguments valid for its schema when one was wanted, how often it answered in text when none
+was, every status, and whether a round trip (the call's result sent back as a tool message) is answered.
 """
 import argparse
 import json
@@ -25,10 +27,27 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 from bench_serve import free_port, wait_until_up  # noqa: E402
 
-WANT_TOOL = ["What is the weather in {city}?", "Is it cold in {city} right now?", "What time is it in {city}?",
-             "Tell me the local time in {city}.", "How warm is it in {city}?", "Do I need an umbrella in {city} today?"]
-NO_TOOL = ["Say hello to {city}.", "Spell the name {city}.", "Write one sentence about the word {city}."]
-CITIES = ["Oslo", "Lima", "Quito", "Nairobi"]
+UNSEEN_TOOLS = [
+    {"type": "function", "function": {"name": "lookup_weather", "description": "Looks up the weather of a town.",
+                                      "parameters": {"type": "object", "properties": {
+                                          "town": {"type": "string"}, "scale": {"enum": ["celsius", "fahrenheit"]}},
+                                          "required": ["town", "scale"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "convert_currency", "description": "Converts money between currencies.",
+                                      "parameters": {"type": "object", "properties": {
+                                          "amount": {"type": "number"}, "source": {"type": "string"},
+                                          "target": {"type": "string"}},
+                                          "required": ["amount", "source", "target"], "additionalProperties": False}}}]
+# (question, the tool it wants or None): tools, parameters and questions the sample never has.
+UNSEEN = [("What is the weather in Porto?", "lookup_weather"), ("Is it warm in Krakow today?", "lookup_weather"),
+          ("How cold is it in Tallinn right now?", "lookup_weather"),
+          ("Convert 50 euros to dollars.", "convert_currency"), ("How many yen is 20 pounds?", "convert_currency"),
+          ("What is 100 dollars in euros?", "convert_currency"),
+          ("Tell me a short joke about cats.", None), ("What is 12 times 3?", None),
+          ("Write a haiku about autumn.", None), ("What does the word serendipity mean?", None)]
+SAMPLE_ASKS = [("What is the weather in {city}?", "get_weather"), ("Is it cold in {city} right now?", "get_weather"),
+               ("What time is it in {city}?", "get_time"), ("Tell me the local time in {city}.", "get_time"),
+               ("Say hello to {city}.", None), ("Write one sentence about the word {city}.", None)]
+CITIES = ["Quito", "Reykjavik", "Montevideo", "Tbilisi"]  # never in the sample
 
 
 def parse_args():
@@ -36,7 +55,8 @@ def parse_args():
     p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "bench-tools"))
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--learning-rate", type=float, default=5e-4)
-    p.add_argument("--cities", type=int, default=len(CITIES), help="held-out cities asked about (9 questions each)")
+    p.add_argument("--cities", type=int, default=2, help="held-out cities asked about with the sample's tools "
+                                                            "(6 questions each)")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--reuse", action="store_true", help="serve the tuned model --work already holds, untrained again")
     return p.parse_args()
@@ -71,33 +91,32 @@ def ask(url, model, tools, question, max_tokens):
     return status, message.get("tool_calls"), message.get("content") or ""
 
 
-def measure(url, model, tools, cities, max_tokens):
+def measure(url, model, tools, questions, max_tokens):
+    """Counts over (question, wanted tool or None) asked with `tools`, and a few examples."""
     specs = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
-    counts = dict(requests=0, ok=0, wanted=0, called=0, unwanted=0, answered=0, calls=0, valid=0, round_trips=0,
-                  round_trips_ok=0)
+    counts = dict(requests=0, ok=0, wanted=0, called=0, unwanted=0, answered=0, round_trips=0, round_trips_ok=0)
     examples = []
-    for city in CITIES[:cities]:
-        for template, wants in [(q, True) for q in WANT_TOOL] + [(q, False) for q in NO_TOOL]:
-            question = template.format(city=city)
-            status, calls, text = ask(url, model, tools, question, max_tokens)
-            counts["requests"] += 1
-            counts["ok"] += status == 200
-            counts["wanted" if wants else "unwanted"] += 1
-            counts["called" if wants else "answered"] += bool(calls) if wants else not calls
-            for call in calls or []:
-                counts["calls"] += 1
-                counts["valid"] += call["function"]["name"] in specs and valid(call["function"]["arguments"],
-                                                                               specs[call["function"]["name"]])
-            if len(examples) < 4 and (calls or text):
-                examples.append(f"{question} -> {json.dumps(calls[0]['function']) if calls else repr(text[:80])}")
-            if calls and counts["round_trips"] < 4:  # the result goes back, and the model answers from it
-                counts["round_trips"] += 1
-                follow = [{"role": "user", "content": question},
-                          {"role": "assistant", "content": None, "tool_calls": calls},
-                          {"role": "tool", "tool_call_id": calls[0]["id"], "content": "12 degrees, cloudy"}]
-                status, _ = post(url + "/v1/chat/completions", {"model": model, "messages": follow, "tools": tools,
-                                                                "max_tokens": 32, "temperature": 0})
-                counts["round_trips_ok"] += status == 200
+    for question, wanted in questions:
+        status, calls, text = ask(url, model, tools, question, max_tokens)
+        counts["requests"] += 1
+        counts["ok"] += status == 200
+        if wanted:
+            counts["wanted"] += 1
+            counts["called"] += bool(calls) and all(c["function"]["name"] == wanted and valid(
+                c["function"]["arguments"], specs[wanted]) for c in calls)
+        else:
+            counts["unwanted"] += 1
+            counts["answered"] += not calls
+        if len(examples) < 6:
+            examples.append(f"{question} -> {json.dumps(calls[0]['function']) if calls else repr(text[:80])}")
+        if calls and counts["round_trips"] < 3:  # the result goes back, and the model answers from it
+            counts["round_trips"] += 1
+            follow = [{"role": "user", "content": question},
+                      {"role": "assistant", "content": None, "tool_calls": calls},
+                      {"role": "tool", "tool_call_id": calls[0]["id"], "content": "12 degrees, cloudy"}]
+            status, _ = post(url + "/v1/chat/completions", {"model": model, "messages": follow, "tools": tools,
+                                                            "max_tokens": 32, "temperature": 0})
+            counts["round_trips_ok"] += status == 200
     return counts, examples
 
 
@@ -126,8 +145,11 @@ def main():
                                   stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_until_up(url + "/health", server)
-        rows = {name: measure(url, model, tools, args.cities, args.max_tokens)
-                for name, model in (("base", "gemma3-270m"), ("tuned", "tools"))}
+        sample_questions = [(q.format(city=city), w) for city in CITIES[:args.cities] for q, w in SAMPLE_ASKS]
+        rows = {(name, kind): measure(url, model, kind_tools, questions, args.max_tokens)
+                for name, model in (("base", "gemma3-270m"), ("tuned", "tools"))
+                for kind, kind_tools, questions in (("unseen tools", UNSEEN_TOOLS, UNSEEN),
+                                                    ("the sample's tools", tools, sample_questions))}
         with urllib.request.urlopen(url + "/metrics") as r:
             compilations = next(float(line.split()[-1]) for line in r.read().decode().splitlines()
                                 if line.startswith("serve_request_compilations_total "))
@@ -135,17 +157,15 @@ def main():
         server.terminate()
         server.wait(60)
     print(f"\ntuned {'earlier' if trained < 60 else f'in {trained:.0f}s'} ({args.epochs} epochs of "
-          f"tests/data/tool_sample.jsonl); {args.cities} cities x {len(WANT_TOOL) + len(NO_TOOL)} questions a model, "
-          f"max_tokens {args.max_tokens}; "
-          f"{compilations:.0f} compilations on a request's behalf\n")
-    print("| model | requests (200) | called a tool when one was wanted | answered in text when none was | "
-          "calls with a given name and schema-valid arguments | round trips answered |\n|---|---|---|---|---|---|")
-    for name, (c, _) in rows.items():
-        print(f"| {name} | {c['requests']} ({c['ok']}) | {c['called']}/{c['wanted']} | {c['answered']}/{c['unwanted']} | "
-              f"{c['valid']}/{c['calls']} | {c['round_trips_ok']}/{c['round_trips']} |")
-    for name, (_, examples) in rows.items():
-        print(f"\n{name}:\n" + "\n".join(f"  {e}" for e in examples))
-
+          f"tests/data/tool_sample.jsonl); max_tokens {args.max_tokens}; {compilations:.0f} compilations on a "
+          f"request's behalf\n")
+    print("| model | tools | requests (200) | called the right tool, schema-valid, when one was wanted | answered in "
+          "text when none was | round trips answered |\n|---|---|---|---|---|---|")
+    for (name, kind), (c, _) in rows.items():
+        print(f"| {name} | {kind} | {c['requests']} ({c['ok']}) | {c['called']}/{c['wanted']} | "
+              f"{c['answered']}/{c['unwanted']} | {c['round_trips_ok']}/{c['round_trips']} |")
+    for (name, kind), (_, examples) in rows.items():
+        print(f"\n{name}, {kind}:\n" + "\n".join(f"  {e}" for e in examples))
 
 if __name__ == "__main__":
     main()

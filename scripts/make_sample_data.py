@@ -9,8 +9,10 @@ the same files.
   make sense with the earlier turns, and assistant turns marked "weight": 0 (context, not taught). The
   assistant has one house style to learn: short answers that end with "Anything else?".
 - tool_sample.jsonl: tool use in TRL's format: a `tools` column (OpenAI function specs), assistant turns
-  with `tool_calls` (arguments as objects), `tool` turns with the results, and the answer after them;
-  some questions need no tool and are answered directly, so a tuned model learns when to call.
+  with `tool_calls` (arguments as objects), `tool` turns with the results, and the answer after them.
+  Eleven kinds of tool, each spelled several ways (names, parameters, descriptions), one to three offered a
+  record; a third of the questions want none of the tools offered and are answered directly, so a tuned
+  model learns the calling convention and when not to call, not two tool names.
 
     python3 scripts/make_sample_data.py [DIR]
 """
@@ -198,46 +200,160 @@ def make_conversations(rng, n=240):
     return out
 
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city.",
-                                          "parameters": {"type": "object", "properties": {
-                                              "city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
-                                              "required": ["city", "unit"], "additionalProperties": False}}},
-         {"type": "function", "function": {"name": "get_time", "description": "The local time in a city.",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                          "required": ["city"], "additionalProperties": False}}}]
-WEATHER_ASKS = ["What is the weather in {city}?", "Is it cold in {city} right now?", "How warm is it in {city}?",
-                "Tell me the weather in {city}, please.", "Do I need an umbrella in {city} today?"]
-TIME_ASKS = ["What time is it in {city}?", "Tell me the local time in {city}.", "Is it late in {city} now?"]
-PLAIN_ASKS = [("What is the capital of {country}?", "The capital of {country} is {city}."),
-              ("Which country is {city} in?", "{city} is in {country}.")]
+def function(name, description, properties, required=None):
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": {
+        "type": "object", "properties": properties, "required": list(required or properties),
+        "additionalProperties": False}}}
 
 
-def make_tool_conversations(rng, n=48):
-    """Tool use as TRL's tool-calling data sets hold it; a third are questions answered without a tool."""
-    out, places = [], list(CAPITALS.items())
+STRING = {"type": "string"}
+# The sample's first record offers the classic pair, which the tests ask about.
+TOOLS = [function("get_weather", "Current weather in a city.", {"city": STRING, "unit": {"enum": ["celsius",
+                                                                                                   "fahrenheit"]}}),
+         function("get_time", "The local time in a city.", {"city": STRING})]
+PEOPLE = ["Maria", "Tom", "Aiko", "Lena", "Omar", "Priya", "Jonas", "Chen"]
+WORDS = ["harbour", "lantern", "meadow", "quartz", "saffron", "tundra", "velvet", "orchid"]
+TOPICS_NEWS = ["football", "science", "elections", "music", "the economy", "space"]
+INGREDIENTS = ["chicken", "lentils", "tofu", "salmon", "mushrooms", "rice", "eggs"]
+TICKERS = {"Apple": "AAPL", "Microsoft": "MSFT", "Tesla": "TSLA", "Nvidia": "NVDA", "Amazon": "AMZN"}
+LANGUAGES = ["French", "Spanish", "German", "Japanese", "Italian"]
+
+
+def tool_families(rng):
+    """Each kind of tool the sample teaches, spelled one of several ways (name, parameter names, description):
+    (its spec, a question that wants it, the call's arguments, the tool's result, the answer from it). What is
+    taught is the convention, so no name or parameter recurs in every record."""
+    country, city = rng.choice(list(CAPITALS.items()))
+    other = rng.choice([c for c in CAPITALS.values() if c != city])
+    person, word = rng.choice(PEOPLE), rng.choice(WORDS)
+    place = rng.choice(["city", "location", "place"])
+    unit = rng.choice(["celsius", "fahrenheit"])
+    degrees = rng.randint(-5, 30) if unit == "celsius" else rng.randint(25, 90)
+    hour, minute = rng.randint(0, 23), rng.choice([0, 15, 30, 45])
+    company, ticker = rng.choice(list(TICKERS.items()))
+    price = round(rng.uniform(20, 900), 2)
+    language, ingredient, topic = rng.choice(LANGUAGES), rng.choice(INGREDIENTS), rng.choice(TOPICS_NEWS)
+    value, (src, dst, factor) = rng.randint(2, 90), rng.choice([("km", "miles", 0.621), ("kg", "pounds", 2.205),
+                                                                ("liters", "gallons", 0.264)])
+    minutes = rng.choice([20, 30, 45])
+    day = rng.choice(["Monday", "Friday", "tomorrow", "June 3"])
+    people = rng.randint(2, 8)
+    return [
+        (function(rng.choice(["get_weather", "weather_now", "current_weather", "fetch_weather"]),
+                  rng.choice(["Current weather in a city.", "Today's weather for a place."]),
+                  {place: STRING, rng.choice(["unit", "units"]): {"enum": ["celsius", "fahrenheit"]}}),
+         rng.choice(["What is the weather in {c}?", "Is it cold in {c} right now?", "How warm is it in {c}?",
+                     "Do I need an umbrella in {c} today?"]).format(c=city) + rng.choice(["", f" In {unit}."]),
+         None, f"{degrees} degrees, {rng.choice(['cloudy', 'sunny', 'raining'])}",
+         f"It is {degrees} degrees {unit} in {city}."),
+        (function(rng.choice(["get_time", "local_time", "current_time", "clock_in"]),
+                  rng.choice(["The local time in a city.", "What the clock says somewhere now."]), {place: STRING}),
+         rng.choice(["What time is it in {c}?", "Tell me the local time in {c}.", "Is it late in {c} now?"])
+         .format(c=city), {place: city}, f"{hour:02d}:{minute:02d}", f"It is {hour:02d}:{minute:02d} in {city}."),
+        (function(rng.choice(["get_stock_price", "stock_quote", "share_price"]),
+                  rng.choice(["The latest price of a share.", "A stock's current quote."]),
+                  {rng.choice(["symbol", "ticker"]): STRING}),
+         rng.choice(["How much is {n} stock today?", "What is the share price of {n}?"]).format(n=company),
+         ticker, f"{price} USD", f"{company} ({ticker}) trades at {price} USD."),
+        (function(rng.choice(["translate", "translate_text"]), "Translates text into another language.",
+                  {"text": STRING, rng.choice(["target_language", "language", "to"]): STRING}),
+         f"Translate '{word}' into {language}.", (word, language), f"'{word}' in {language}: {word[::-1]}",
+         f"In {language}, '{word}' is {word[::-1]}."),
+        (function(rng.choice(["convert_units", "unit_converter"]), "Converts a quantity between units.",
+                  {"value": {"type": "number"}, rng.choice(["from_unit", "from"]): STRING,
+                   rng.choice(["to_unit", "to"]): STRING}),
+         f"How many {dst} is {value} {src}?", (value, src, dst), f"{round(value * factor, 1)} {dst}",
+         f"{value} {src} is {round(value * factor, 1)} {dst}."),
+        (function(rng.choice(["find_recipes", "search_recipes", "recipe_search"]),
+                  "Finds recipes by ingredient and time.",
+                  {rng.choice(["ingredient", "main_ingredient"]): STRING,
+                   rng.choice(["max_minutes", "time_limit"]): {"type": "integer"}}),
+         f"Find me a {ingredient} recipe that takes under {minutes} minutes.", (ingredient, minutes),
+         f"{ingredient.capitalize()} stir-fry, {minutes - 5} minutes",
+         f"Try a {ingredient} stir-fry: it takes {minutes - 5} minutes."),
+        (function(rng.choice(["search_flights", "find_flights", "flight_search"]), "Searches flights between cities.",
+                  {rng.choice(["origin", "from_city"]): STRING, rng.choice(["destination", "to_city"]): STRING,
+                   "date": STRING}),
+         f"Find flights from {city} to {other} on {day}.", (city, other, day), "2 flights, from 210 EUR",
+         f"There are 2 flights from {city} to {other} on {day}, from 210 EUR."),
+        (function(rng.choice(["send_email", "email_send", "compose_email"]), "Sends an email.",
+                  {rng.choice(["to", "recipient"]): STRING, "subject": STRING, "body": STRING}),
+         f"Email {person} that the meeting moved to {day}.", (person, "Meeting", f"The meeting moved to {day}."),
+         "sent", f"I emailed {person} that the meeting moved to {day}."),
+        (function(rng.choice(["book_table", "reserve_table"]), "Books a table at a restaurant.",
+                  {"restaurant": STRING, rng.choice(["people", "party_size", "guests"]): {"type": "integer"},
+                   "time": STRING}),
+         f"Book a table for {people} at Luna at {hour:02d}:00.", ("Luna", people, f"{hour:02d}:00"), "booked",
+         f"Your table for {people} at Luna is booked for {hour:02d}:00."),
+        (function(rng.choice(["get_news", "latest_headlines", "news_search"]), "Latest news headlines on a topic.",
+                  {rng.choice(["topic", "query"]): STRING}),
+         f"What is the latest news about {topic}?", (topic,), f"Headline: big week for {topic}",
+         f"The top story: a big week for {topic}."),
+        (function(rng.choice(["get_population", "population_of"]), "A country's population.",
+                  {rng.choice(["country", "nation"]): STRING}),
+         f"How many people live in {country}?", (country,), f"{rng.randint(3, 200)} million",
+         None),
+    ]
+
+
+def call_arguments(spec, given):
+    """The call's arguments: `given` in the order of the spec's parameters (a dict or values)."""
+    names = list(spec["function"]["parameters"]["properties"])
+    if isinstance(given, dict):
+        return given
+    values = given if isinstance(given, tuple) else (given,)
+    return dict(zip(names, values))
+
+
+NO_TOOL_ASKS = [("Say hello to {person}.", "Hello, {person}!"), ("What is {a} plus {b}?", "{a} plus {b} is {s}."),
+                ("Spell the word {word}.", "{spelled}."), ("Write one sentence about {a_word}.",
+                                                           "{A_word} can make an ordinary day feel special."),
+                ("What is the capital of {country}?", "The capital of {country} is {city}."),
+                ("Thank you!", "You're welcome."), ("Which country is {city} in?", "{city} is in {country}.")]
+
+
+def make_tool_conversations(rng, n=144):
+    """Tool use as TRL's tool-calling data sets hold it, taught as a convention rather than two names: each record
+    offers one to three tools drawn from many kinds, each spelled one of several ways; about a third of the
+    questions want none of the tools offered and are answered in text, so a tuned model learns when not to call.
+    The first record is the classic weather-and-time pair."""
+    out = []
     for i in range(n):
-        country, city = rng.choice(places)
-        kind = i % 3
-        if kind == 2:
-            ask, answer = rng.choice(PLAIN_ASKS)
-            messages = [{"role": "user", "content": ask.format(city=city, country=country)},
-                        {"role": "assistant", "content": answer.format(city=city, country=country)}]
-        elif kind == 0:
-            degrees, unit = rng.randint(-5, 30), rng.choice(["celsius", "fahrenheit"])
-            shown = degrees if unit == "celsius" else round(degrees * 9 / 5 + 32)
-            messages = [{"role": "user", "content": rng.choice(WEATHER_ASKS).format(city=city)},
+        families = tool_families(rng)
+        if i == 0:
+            country, city = "Norway", "Bergen"
+            messages = [{"role": "user", "content": f"What is the weather in {city}?"},
                         {"role": "assistant", "tool_calls": [{"type": "function", "function": {
-                            "name": "get_weather", "arguments": {"city": city, "unit": unit}}}]},
-                        {"role": "tool", "name": "get_weather", "content": f"{shown} degrees, cloudy"},
-                        {"role": "assistant", "content": f"It is {shown} degrees and cloudy in {city}."}]
+                            "name": "get_weather", "arguments": {"city": city, "unit": "celsius"}}}]},
+                        {"role": "tool", "name": "get_weather", "content": "9 degrees, raining"},
+                        {"role": "assistant", "content": f"It is 9 degrees and raining in {city}."}]
+            out.append({"tools": TOOLS, "messages": messages})
+            continue
+        offered = rng.sample(families, rng.randint(1, 3))
+        tools = [spec for spec, *_ in offered]
+        if i % 3 == 2:  # none of the tools helps
+            country, city = rng.choice(list(CAPITALS.items()))
+            a, b, word = rng.randint(2, 40), rng.randint(2, 40), rng.choice(WORDS)
+            ask, answer = rng.choice(NO_TOOL_ASKS)
+            fields = dict(person=rng.choice(PEOPLE), a=a, b=b, s=a + b, word=word, spelled="-".join(word.upper()),
+                          a_word=a_or_an(word), A_word=a_or_an(word).capitalize(), country=country, city=city)
+            messages = [{"role": "user", "content": ask.format(**fields)},
+                        {"role": "assistant", "content": answer.format(**fields)}]
         else:
-            hour, minute = rng.randint(0, 23), rng.choice([0, 15, 30, 45])
-            messages = [{"role": "user", "content": rng.choice(TIME_ASKS).format(city=city)},
+            spec, question, given, result, answer = rng.choice([f for f in offered if f[4] is not None] or offered)
+            name = spec["function"]["name"]
+            if given is None:  # the weather: the unit the question names, else celsius
+                properties = list(spec["function"]["parameters"]["properties"])
+                city = next(c for c in CAPITALS.values() if f" {c}" in question)
+                given = {properties[0]: city, properties[1]: "fahrenheit" if "fahrenheit" in question else "celsius"}
+                answer = answer.replace("celsius", given[properties[1]]).replace("fahrenheit", given[properties[1]])
+            arguments = call_arguments(spec, given)
+            messages = [{"role": "user", "content": question},
                         {"role": "assistant", "tool_calls": [{"type": "function", "function": {
-                            "name": "get_time", "arguments": {"city": city}}}]},
-                        {"role": "tool", "name": "get_time", "content": f"{hour:02d}:{minute:02d}"},
-                        {"role": "assistant", "content": f"It is {hour:02d}:{minute:02d} in {city}."}]
-        out.append({"tools": TOOLS, "messages": messages})
+                            "name": name, "arguments": arguments}}]},
+                        {"role": "tool", "name": name, "content": result},
+                        {"role": "assistant", "content": answer or f"{result}."}]
+        out.append({"tools": tools, "messages": messages})
     return out
 
 
