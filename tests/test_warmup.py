@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import serve
-from conftest import http
+from conftest import REPO, http
 from gemma_lora.engine.compilation import ProgramStore, count_compilation, on_compilation
 from gemma_lora.engine.engine import Engine
 from gemma_lora.engine.programs import cache_shapes, prompt_cache
@@ -213,6 +213,27 @@ def test_cache_shapes_are_derived_from_one_traced_template(model):
         assert jax.tree.structure(derived) == jax.tree.structure(traced)
         assert [(d.shape, d.dtype) for d in jax.tree.leaves(derived)] == [
             (t.shape, t.dtype) for t in jax.tree.leaves(traced)]
+
+
+def test_the_program_store_s_folder_changes_with_any_engine_module_s_text(tmp_path):
+    """The stored programs are keyed by the code that traced them: a change to any module of the package (or to
+    serve.py) makes another folder, whichever module it is in, so a restart after an upgrade never loads a
+    program of the old code. The package's text spread over modules must not hide it (issue #58)."""
+    from gemma_lora.engine.compilation import source_hash
+    shutil.copytree(REPO / "gemma_lora", tmp_path / "gemma_lora", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "serve.py", tmp_path / "serve.py")
+    package = tmp_path / "gemma_lora"
+    assert source_hash(package) == source_hash()
+    seen = {source_hash(package)}
+    for changed in ("engine/programs.py", "engine/batch.py", "interface.py", "model.py"):
+        with open(package / changed, "a") as f:
+            f.write("\n# changed\n")
+        seen.add(source_hash(package))
+    (tmp_path / "serve.py").write_text((tmp_path / "serve.py").read_text() + "\n# changed\n")
+    seen.add(source_hash(package))
+    assert len(seen) == 6
+    (package / "notes.txt").write_text("not code")
+    assert source_hash(package) in seen
 
 
 def test_health_lists_what_is_still_compiling_and_restarts_load_from_the_cache(tiny_model, tmp_path, start_server):

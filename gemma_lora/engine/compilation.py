@@ -45,7 +45,7 @@ def watch_xla_cache():
 
 class ProgramStore:
     """The warm-up's compiled programs on disk (under --compile-cache), each by its name in a folder named
-    by a hash of all that shapes them: serve.py's own text, the versions of JAX, jaxlib, Keras and
+    by a hash of all that shapes them: the code's own text (source_hash), the versions of JAX, jaxlib, Keras and
     keras-hub, the devices and XLA's flags, the model's architecture and its variables' paths, shapes and
     dtypes, the adapter tables, and the engine's sizes (batch sizes, windows, blocks, stop tokens). A
     restart with all of those the same loads every program instead of tracing and compiling it: XLA's own
@@ -136,7 +136,7 @@ def read_program(path):
 class Prefetch:
     """Loads the programs the last start with the same early key needed to be ready (WarmUp.first's), on
     threads of their own, while the model loads. The early key is what a start knows before loading:
-    serve.py's text, the libraries' versions, the flags, the model files' names, sizes and times. It only
+    the code's text, the libraries' versions, the flags, the model files' names, sizes and times. It only
     predicts the store's folder: ProgramStore takes these programs only when the folder it computes from
     the loaded model is the same. Only the first part's: on a TPU, loading all 59 programs of gemma_2b
     alongside its weights slowed the weights' loading from 9 to 24 s, and the server was ready after 41 s
@@ -152,7 +152,7 @@ class Prefetch:
         model = Path(args.model)
         files = sorted((f.name, f.stat().st_size, f.stat().st_mtime) for f in model.iterdir()) if model.is_dir() else []
         self.early = hashlib.sha256(json.dumps(
-            [hashlib.sha256(Path(__file__).read_bytes()).hexdigest(), files,
+            [source_hash(), files,
              sorted((k, v) for k, v in vars(args).items() if k not in Prefetch.NOT_PROGRAMS),
              [metadata.version(p) for p in ("jax", "jaxlib", "keras", "keras-hub")],
              [os.environ.get(k) for k in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")]], default=str).encode()).hexdigest()
@@ -171,6 +171,20 @@ class Prefetch:
         pool.shutdown(wait=False)
 
 
+PACKAGE = Path(__file__).resolve().parent.parent  # gemma_lora/
+
+
+def source_hash(root=PACKAGE):
+    """A hash of every Python file of the package and of serve.py beside it: what traces the programs is spread
+    over the engine's modules (and the interface's limits, the model's loading), so a change to any of them must
+    make a new folder, never load a program of the old code."""
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")) + [root.parent / "serve.py"]:
+        if path.is_file():
+            digest.update(str(path.relative_to(root.parent)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
 def program_fingerprint(engine):
     """What shapes an engine's programs, beyond their names (see ProgramStore)."""
     import jax
@@ -178,7 +192,7 @@ def program_fingerprint(engine):
     import keras
     import keras_hub
     model, tables = engine.model, engine.lora_tables
-    return {"serve.py": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
+    return {"source": source_hash(),
             "versions": [jax.__version__, jaxlib.__version__, keras.__version__, keras_hub.__version__],
             "devices": [(d.platform, d.device_kind, d.id) for d in jax.devices()],
             "flags": [os.environ.get(k) for k in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")],
