@@ -59,6 +59,7 @@ def parse_args():
                                                             "(6 questions each)")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--reuse", action="store_true", help="serve the tuned model --work already holds, untrained again")
+    p.add_argument("--train-flags", default="", help="more train_local.py flags, e.g. '--lora-modules all-linear'")
     return p.parse_args()
 
 
@@ -132,7 +133,8 @@ def main():
     subprocess.run([sys.executable, str(REPO / "train_local.py"), "--model", str(base), "--data",
                     str(REPO / "tests/data/tool_sample.jsonl"), "--template", "gemma-chat", "--loss-on", "response",
                     "--epochs", str(args.epochs), "--learning-rate", str(args.learning_rate), "--eval-examples", "0",
-                    "--output", str(tuned), "--overwrite", "--compile-cache", str(work / "xla")], check=True, env=env) \
+                    "--output", str(tuned), "--overwrite", "--compile-cache", str(work / "xla"),
+                    *args.train_flags.split()], check=True, env=env) \
         if not (args.reuse and (tuned / "adapter.lora.h5").exists()) else None
     trained = time.time() - started
     tools = json.loads((REPO / "tests/data/tool_sample.jsonl").read_text().splitlines()[0])["tools"]
