@@ -80,7 +80,7 @@ fi
 if [ -d /opt/pypi/simple ] && ! python3 -c "import matplotlib, jsonschema" 2>/dev/null; then  # the TPU image's index
   PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --only-binary=:all: --no-cache-dir \
     --index-url file:///opt/pypi/simple --target /tmp/site-index matplotlib jsonschema >/dev/null 2>&1 \
-    && export PYTHONPATH="$PYTHONPATH:/tmp/site-index"
+    && export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/site-index"
 fi
 
 left() { echo $((budget - (SECONDS - started))); }
