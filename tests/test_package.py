@@ -6,8 +6,8 @@ import sys
 
 from conftest import REPO, script_env
 
-FRONT_END = ["gemma_lora.frontend." + m for m in ("api", "http", "openapi", "protocol", "server", "streams",
-                                                  "structured")] + ["gemma_lora.interface", "gemma_lora.metrics"]
+FRONT_END = sorted("gemma_lora.frontend." + p.stem for p in (REPO / "gemma_lora" / "frontend").glob("*.py")
+                   if p.stem != "__init__") + ["gemma_lora.interface", "gemma_lora.metrics"]
 
 
 def test_the_front_end_imports_no_jax_keras_or_keras_hub():

@@ -12,6 +12,7 @@ from gemma_lora.engine.adapter_slots import AdapterSlots
 from gemma_lora.engine.batch import DecodeBatch, ResizeFailed, RowSampling, resized_batch
 from gemma_lora.engine.core import auto_batch_size, auto_max_queue, batch_buckets, fitting_batch_size
 from gemma_lora.engine.engine import Engine
+from gemma_lora.engine import worker as worker_module
 from gemma_lora.engine.worker import Worker
 from gemma_lora.frontend.api import health
 from gemma_lora.frontend.server import RequestError, Server, ready_engine
@@ -292,7 +293,7 @@ def test_a_failed_growth_leaves_the_newcomers_waiting_for_rows_and_the_running_r
     for g in expected:
         engine.generate([g], 1)
     worker = run_worker(engine)
-    worker.growth_retry_seconds = 600  # however slow the machine, no second try while this test looks
+    monkeypatch.setattr(worker_module, "GROWTH_RETRY_SECONDS", 600)  # however slow the machine, no second try
     long = Generation([engine.bos] + list(range(860, 870)), 100, GREEDY, 0, [], None)
     tried = []
 
@@ -309,7 +310,7 @@ def test_a_failed_growth_leaves_the_newcomers_waiting_for_rows_and_the_running_r
     assert all(g.done.wait(60) for g in newcomers + [long])
     assert long.finish_reason == "length" and long.ids == alone.ids
     assert [(g.finish_reason, g.ids) for g in newcomers] == [("length", g.ids) for g in expected]
-    assert len(tried) == 1  # one try while the long one decoded; the next only growth_retry_seconds later
+    assert len(tried) == 1  # one try while the long one decoded; the next only GROWTH_RETRY_SECONDS later
     assert wait_idle(worker) and worker.depth() == 0 and held_nothing(engine)
     monkeypatch.undo()  # the batch grows again once it can
     worker.grow_after = 0.0

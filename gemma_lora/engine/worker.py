@@ -32,7 +32,6 @@ class Worker:
         self.busy = 0
         self.batch = None  # the DecodeBatch running, if any
         self.grow_after = 0.0  # no growth is tried before this time (set when one failed)
-        self.growth_retry_seconds = GROWTH_RETRY_SECONDS
         self.thread = None
         METRICS.queue_depth = self.depth
         METRICS.running = self.running
@@ -141,10 +140,10 @@ class Worker:
             self.batch = resized_batch(self.batch, target)
         except ResizeFailed as e:
             self.batch = e.batch
-            self.grow_after = time.time() + self.growth_retry_seconds
+            self.grow_after = time.time() + GROWTH_RETRY_SECONDS
             log(f"error: the batch could not be resized to {target} rows: {type(e.__cause__).__name__}: "
                 f"{e.__cause__}; the {self.batch.active} running go on, {len(self.waiting)} waiting take rows as "
-                f"they free (a larger batch is tried again in {self.growth_retry_seconds:g}s)")
+                f"they free (a larger batch is tried again in {GROWTH_RETRY_SECONDS:g}s)")
 
     def decode(self):
         while True:

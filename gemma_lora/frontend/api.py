@@ -9,7 +9,7 @@ import uuid
 from gemma_lora.adapters import AdapterError, describe
 from gemma_lora.chat import tools_prompt
 from gemma_lora.frontend.openapi import OPENAPI
-from gemma_lora.frontend.protocol import (adapter_slots, chat_logprobs, chat_prompt, completion_logprobs,
+from gemma_lora.frontend.protocol import (adapters_ready, chat_logprobs, chat_prompt, completion_logprobs,
                                           format_instruction, is_int, kept_logprobs, parse_n, parse_stream, pick_model,
                                           start_generations, template_stop, usage)
 from gemma_lora.frontend.server import ClientGone, Reply, RequestError, ready_engine
@@ -44,7 +44,7 @@ def list_models(server, req):
 
 def load_lora_adapter(server, req):
     body = req.json()
-    core = adapter_slots(server)
+    core = adapters_ready(server)
     name, path = body.get("lora_name"), body.get("lora_path")
     if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
         raise RequestError(400, "send 'lora_name' and 'lora_path' (an adapter dir on this server), both strings")
@@ -62,7 +62,7 @@ def load_lora_adapter(server, req):
 
 def unload_lora_adapter(server, req):
     body = req.json()
-    core = adapter_slots(server)
+    core = adapters_ready(server)
     name = body.get("lora_name")
     if not isinstance(name, str) or not name:
         raise RequestError(400, "send 'lora_name', a string")

@@ -73,7 +73,7 @@ def pick_model(server, body):
     return name, adapter, adapter.template or server.template
 
 
-def adapter_slots(server):
+def adapters_ready(server):
     core = ready_engine(server)
     if not core.has_adapters():
         raise RequestError(400, "this server was started without LoRA adapter slots: restart it with --enable-lora "

@@ -174,8 +174,8 @@ def tool_call_message(text, finish_reason):
             call = calls.setdefault(part["index"], {"id": part.get("id"), "type": "function",
                                                     "function": {"name": part["function"].get("name"), "arguments": ""}})
             call["function"]["arguments"] += part["function"].get("arguments", "")
-    if not calls:
-        return {"role": "assistant", "content": "".join(d.get("content", "") for d in deltas)}, finish_reason
+    if not calls:  # an answer, or a call cut before its name was whole: the text as it is
+        return {"role": "assistant", "content": text}, finish_reason
     return {"role": "assistant", "content": None, "tool_calls": [calls[i] for i in sorted(calls)]}, \
         stream.finish_reason(finish_reason)
 
